@@ -1,0 +1,14 @@
+"""The rank harness: run a function on N ranks, get every rank's result back. See ranks.py."""
+from tests.harness.ranks import (  # noqa: F401
+    DEFAULT_TIMEOUT_S,
+    RankDied,
+    RankFailure,
+    RankHung,
+    RankRaised,
+    configure,
+    missing_requirement,
+    rank_device,
+    run_on_ranks,
+    shutdown_pools,
+    torchrun_world_size,
+)

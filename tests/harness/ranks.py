@@ -1,0 +1,470 @@
+"""Run one picklable function on N ranks and return every rank's result.
+
+    results = run_on_ranks(body, arg, world_size=2)        # gloo, CPU tensors
+    results = run_on_ranks(body, world_size=2, device="cuda-shared")  # gloo, both ranks on GPU 0
+    results = run_on_ranks(body, world_size=2, device="cuda")         # NCCL, one GPU per rank
+
+Three engines, one API:
+- pool (default): ranks are spawned once per (world_size, backend, device) per pytest/xdist
+  worker, keep their process group, and run task after task (spawning costs seconds, a
+  task costs milliseconds). A rank that raises, dies or hangs fails the test with every
+  rank's traceback or faulthandler stack, and the pool is torn down and rebuilt.
+- isolation (`--isolate-ranks`): the same pool, spawned for one task and stopped after it.
+- torchrun: when RANK/WORLD_SIZE are set, the body runs right here on the launcher's ranks.
+
+Rendezvous is a FileStore in a private temp dir, so concurrent xdist workers never share a
+port. Ranks die with their parent (PR_SET_PDEATHSIG plus a watchdog thread), also when
+pytest is killed with SIGKILL, and end with os._exit because gloo+FSDP ranks sometimes abort
+in interpreter teardown (../shared/FINDINGS.md).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import datetime
+import faulthandler
+import gc
+import itertools
+import multiprocessing
+import os
+import pickle
+import queue
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+DEFAULT_TIMEOUT_S = 120.0
+PEER_GRACE_S = 5.0  # after one rank raised, the others get this long before their stacks are taken
+STARTUP_TIMEOUT_S = 180.0
+DEVICES = ("cpu", "cuda", "cuda-shared")
+
+_settings = {"isolate": False, "timeout": DEFAULT_TIMEOUT_S}
+_pools: dict = {}
+_task_ids = itertools.count()
+_rank_device = None  # set inside a rank: the torch.device its tensors belong on
+
+
+class RankFailure(Exception):
+    """A task failed on one or more ranks; the message holds each rank's traceback or stack."""
+
+
+class RankRaised(RankFailure):
+    pass
+
+
+class RankDied(RankFailure):
+    pass
+
+
+class RankHung(RankFailure):
+    pass
+
+
+def configure(isolate: bool | None = None, timeout: float | None = None) -> None:
+    if isolate is not None:
+        _settings["isolate"] = isolate
+    if timeout is not None:
+        _settings["timeout"] = float(timeout)
+
+
+def rank_device():
+    """Inside a rank: the device this rank's tensors belong on (cpu, or its cuda:k)."""
+    if _rank_device is None:
+        raise RuntimeError("rank_device() is only defined inside a body run by run_on_ranks")
+    return _rank_device
+
+
+def torchrun_world_size() -> int | None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def default_backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def worker_gpus() -> list[int]:
+    """GPUs of this xdist worker: visible GPUs dealt round-robin to the workers."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return [g for g in range(n) if g % count == index]
+
+
+def missing_requirement(world_size: int, device: str = "cpu", backend: str | None = None) -> str | None:
+    """Why this configuration cannot run here (a skip reason), or None."""
+    import torch
+
+    backend = backend or default_backend(device)
+    ts = torchrun_world_size()
+    if ts is not None and ts != world_size:
+        return f"needs world_size {world_size}; torchrun launched {ts} ranks"
+    if device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        return f"needs CUDA (device={device!r}); torch {torch.__version__} sees no GPU"
+    need = world_size if device == "cuda" else 1
+    have = 1 if ts is not None else len(worker_gpus())
+    if have < need:
+        return (f"needs {need} GPU(s) for {world_size} rank(s) on device={device!r} ({backend}); this "
+                f"worker has {have} of {torch.cuda.device_count()} visible "
+                f"(xdist workers: {os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1')})")
+    return None
+
+
+def _validate(world_size, device, backend):
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_on_ranks: world_size must be an int >= 1, got {world_size!r}")
+    if device not in DEVICES:
+        raise ValueError(f"run_on_ranks: device must be one of {DEVICES}, got {device!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_on_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(f"run_on_ranks: backend 'nccl' needs device='cuda' (one GPU per rank), got {device!r}")
+
+
+def run_on_ranks(fn, *args, world_size: int = 2, device: str = "cpu", backend: str | None = None,
+                 timeout: float | None = None, seed: int = 0, **kwargs) -> list:
+    """Run fn(*args, **kwargs) on every rank; return [result of rank 0, result of rank 1, ...].
+
+    Skips the calling test (pytest.skip) when the configuration needs hardware that is missing.
+    Raises RankRaised / RankDied / RankHung with every rank's traceback or stack.
+    """
+    import pytest
+
+    backend = backend or default_backend(device)
+    _validate(world_size, device, backend)
+    reason = missing_requirement(world_size, device, backend)
+    if reason:
+        pytest.skip(reason)
+    timeout = _settings["timeout"] if timeout is None else float(timeout)
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as exc:  # lambdas, closures, local classes, open handles ...
+        raise TypeError(f"run_on_ranks: {getattr(fn, '__qualname__', fn)!r} and its arguments must be "
+                        f"picklable (a module-level function, no lambdas or closures): {exc}") from exc
+    if torchrun_world_size() is not None:
+        return _run_under_torchrun(payload, device, backend, seed)
+    key = (world_size, backend, device)
+    if _settings["isolate"]:
+        pool = RankPool(*key)
+        try:
+            return pool.run(payload, timeout, seed)
+        finally:
+            pool.shutdown()
+    pool = _pools.get(key)
+    if pool is None or not pool.healthy:
+        pool = _pools[key] = RankPool(*key)
+    return pool.run(payload, timeout, seed)
+
+
+def shutdown_pools() -> None:
+    for key in list(_pools):
+        _pools.pop(key).shutdown()
+
+
+atexit.register(shutdown_pools)
+
+
+class RankPool:
+    """world_size long-lived rank processes sharing one process group."""
+
+    def __init__(self, world_size: int, backend: str, device: str):
+        self.world_size, self.backend, self.device = world_size, backend, device
+        self.dir = tempfile.mkdtemp(prefix=f"rankpool-ws{world_size}-")
+        self.logs = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
+        ctx = multiprocessing.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        gpus = worker_gpus() if device != "cpu" else []
+        self.procs = [
+            ctx.Process(target=_rank_main, name=f"rank{r}-of-{world_size}", daemon=True,
+                        args=(r, world_size, backend, device, gpus, os.path.join(self.dir, "store"),
+                              self.tasks[r], self.results, os.getpid(), self.logs[r]))
+            for r in range(world_size)
+        ]
+        self.healthy = True
+        for p in self.procs:
+            p.start()
+        try:
+            self._collect("ready", STARTUP_TIMEOUT_S, 0)
+        except RankFailure:
+            self.shutdown(graceful=False)
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def run(self, payload: bytes, timeout: float, seed: int) -> list:
+        task_id = next(_task_ids)
+        offsets = [os.path.getsize(log) if os.path.exists(log) else 0 for log in self.logs]
+        for q in self.tasks:
+            q.put((task_id, payload, seed))
+        try:
+            outcome = self._collect(task_id, timeout, offsets)
+        except RankFailure:
+            self.shutdown(graceful=False)
+            raise
+        failed = {r: text for r, (ok, text) in outcome.items() if not ok}
+        if failed:
+            self._check_still_aligned()
+            raise RankRaised(_report("raised", failed, {}, self.world_size))
+        return [outcome[r][1] for r in range(self.world_size)]
+
+    def _check_still_aligned(self):
+        """After an exception the group may be left mid-collective; rebuild unless it still agrees."""
+        try:
+            out = self._collect_task(pickle.dumps((_aligned_probe, (), {})), 15.0)
+            if not all(ok and val == self.world_size for ok, val in out.values()):
+                raise RankFailure("probe disagreed")
+        except RankFailure:
+            self.shutdown(graceful=False)
+
+    def _collect_task(self, payload, timeout):
+        task_id = next(_task_ids)
+        for q in self.tasks:
+            q.put((task_id, payload, 0))
+        return self._collect(task_id, timeout, 0)
+
+    def _collect(self, task_id, timeout, offsets) -> dict:
+        """Wait for every rank's answer to task_id; raise on death, hang or a stuck peer."""
+        got: dict[int, tuple[bool, object]] = {}
+        deadline = time.monotonic() + timeout
+        first_error_at = None
+        while len(got) < self.world_size:
+            try:
+                tid, rank, ok, data = self.results.get(timeout=0.05)
+                if tid == task_id:
+                    got[rank] = (ok, pickle.loads(data) if ok else data)
+                    if not ok and first_error_at is None:
+                        first_error_at = time.monotonic()
+                continue
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            dead = {r: p.exitcode for r, p in enumerate(self.procs) if r not in got and not p.is_alive()}
+            if dead:
+                time.sleep(0.2)  # a result sent just before exiting may still be in the pipe
+                self._drain(task_id, got)
+                dead = {r: c for r, c in dead.items() if r not in got}
+            if dead:
+                stacks = self._stacks(got, offsets, dead)
+                lines = {r: f"exit code {c}" + (f" ({signal.Signals(-c).name})" if c and c < 0 else "")
+                         for r, c in dead.items()}
+                raise RankDied(_report("died", {r: f"{lines[r]}\n{stacks.pop(r, '')}" for r in dead},
+                                       {**stacks, **_errors(got)}, self.world_size))
+            if first_error_at is not None and now > first_error_at + PEER_GRACE_S:
+                stacks = self._stacks(got, offsets)
+                raise RankRaised(_report("raised (the other ranks were stuck after it)", _errors(got),
+                                         stacks, self.world_size))
+            if now > deadline:
+                stacks = self._stacks(got, offsets)
+                what = "did not start" if task_id == "ready" else f"hung (no answer within {timeout:g} s)"
+                raise RankHung(_report(what, stacks, _errors(got), self.world_size))
+        return got
+
+    def _drain(self, task_id, got):
+        while True:
+            try:
+                tid, rank, ok, data = self.results.get_nowait()
+            except queue.Empty:
+                return
+            if tid == task_id:
+                got[rank] = (ok, pickle.loads(data) if ok else data)
+
+    def _stacks(self, got, offsets, dead=()) -> dict[int, str]:
+        """faulthandler stacks (SIGUSR1) of the ranks that did not answer, plus their recent output."""
+        missing = [r for r in range(self.world_size) if r not in got]
+        for r in missing:
+            if r not in dead and self.procs[r].is_alive():
+                try:
+                    os.kill(self.procs[r].pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
+        out = {}
+        for r in missing:
+            start = offsets[r] if isinstance(offsets, list) else 0
+            try:
+                with open(self.logs[r], errors="replace") as f:
+                    f.seek(start)
+                    text = f.read()
+            except OSError:
+                text = ""
+            out[r] = "output and stack (faulthandler):\n" + _tail(text, 150)
+        return out
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if not self.healthy:
+            return
+        self.healthy = False
+        if graceful:
+            for q in self.tasks:
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        for q in (*self.tasks, self.results):
+            q.cancel_join_thread()
+            q.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _errors(got) -> dict[int, str]:
+    return {r: text for r, (ok, text) in got.items() if not ok}
+
+
+def _tail(text: str, n: int) -> str:
+    lines = text.splitlines()
+    return "\n".join(lines[-n:]) if lines else "(no output)"
+
+
+def _report(what: str, main: dict[int, str], others: dict[int, str], world_size: int) -> str:
+    parts = [f"rank(s) {sorted(main)} of world_size {world_size} {what}"]
+    for r in sorted(main):
+        parts.append(f"----- rank {r} -----\n{main[r]}")
+    for r in sorted(others):
+        parts.append(f"----- rank {r} (also) -----\n{others[r]}")
+    return "\n".join(parts)
+
+
+def _aligned_probe():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones((), device=rank_device())
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+# ----------------------------------------------------------------------------- inside a rank
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:  # immediate on Linux: the kernel signals us when the parent dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch():  # fallback and double check: polled
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+
+def _reset_state(seed: int) -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+
+
+def _to_host(obj):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    return obj
+
+
+def _rank_main(rank, world_size, backend, device, gpus, store_path, tasks, results, parent_pid, log_path):
+    global _rank_device
+    _die_with_parent(parent_pid)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    import torch
+    import torch.distributed as dist
+
+    if device == "cpu":
+        _rank_device = torch.device("cpu")
+    else:
+        gpu = gpus[rank] if device == "cuda" else gpus[0]
+        torch.cuda.set_device(gpu)
+        _rank_device = torch.device("cuda", gpu)
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(hours=1))  # the parent times tasks out, not the PG
+    results.put(("ready", rank, True, pickle.dumps(None)))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, payload, seed = task
+        try:
+            _reset_state(seed)
+            fn, args, kwargs = pickle.loads(payload)
+            value = fn(*args, **kwargs)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # an async CUDA error belongs to this task, not the next
+            message = (task_id, rank, True, pickle.dumps(_to_host(value)))
+        except BaseException:  # noqa: B902 - report everything, including pytest.fail/skip
+            message = (task_id, rank, False, traceback.format_exc())
+        results.put(message)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo+FSDP ranks can abort in it
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+def _run_under_torchrun(payload: bytes, device: str, backend: str, seed: int) -> list:
+    global _rank_device
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if device != "cpu":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    if device == "cpu":
+        _rank_device = torch.device("cpu")
+    else:
+        _rank_device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        _reset_state(seed)
+        fn, args, kwargs = pickle.loads(payload)
+        mine = (True, _to_host(fn(*args, **kwargs)))
+    except Exception:
+        mine = (False, traceback.format_exc())
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    failed = {r: text for r, (ok, text) in enumerate(every) if not ok}
+    if failed:
+        raise RankRaised(_report("raised", failed, {}, len(every)))
+    return [value for _, value in every]

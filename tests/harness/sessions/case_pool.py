@@ -1,0 +1,38 @@
+"""Run by test_harness.py in a child pytest (not collected by default): uses the rank pool."""
+import os
+import time
+
+import torch.distributed as dist
+
+from tests.harness import run_on_ranks
+from tests.harness.ranks import _pools
+
+
+def _pid_and_rank():
+    time.sleep(float(os.environ.get("CASE_SLEEP_S", "0")))
+    return os.getpid(), dist.get_rank()
+
+
+def _report(tag):
+    out = run_on_ranks(_pid_and_rank, world_size=2)
+    assert [rank for _, rank in out] == [0, 1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(os.environ["CASE_OUT_DIR"], f"{tag}.txt"), "w") as f:
+        f.write(f"{worker} {os.getpid()} {' '.join(str(pid) for pid, _ in out)}\n")
+    assert len(_pools) == 1
+
+
+def test_a():
+    _report("a")
+
+
+def test_b():
+    _report("b")
+
+
+def test_c():
+    _report("c")
+
+
+def test_d():
+    _report("d")
