@@ -90,14 +90,17 @@ def default_backend(device: str) -> str:
 
 
 def worker_gpus() -> list[int]:
-    """GPUs of this xdist worker: visible GPUs dealt round-robin to the workers."""
+    """Every visible GPU, rotated so that xdist worker k starts at GPU k (spreads the load).
+
+    Different workers may share a GPU: their ranks are separate process groups. Only the ranks of
+    one NCCL group need distinct GPUs, which missing_requirement checks.
+    """
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
-    return [g for g in range(n) if g % count == index]
+    return [(index + g) % n for g in range(n)]
 
 
 def missing_requirement(world_size: int, device: str = "cpu", backend: str | None = None) -> str | None:
@@ -113,11 +116,12 @@ def missing_requirement(world_size: int, device: str = "cpu", backend: str | Non
     if not torch.cuda.is_available():
         return f"needs CUDA (device={device!r}); torch {torch.__version__} sees no GPU"
     need = world_size if device == "cuda" else 1
-    have = 1 if ts is not None else len(worker_gpus())
+    if ts is not None and device == "cuda":  # torchrun: the ranks of this node share its GPUs
+        need = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    have = torch.cuda.device_count()
     if have < need:
-        return (f"needs {need} GPU(s) for {world_size} rank(s) on device={device!r} ({backend}); this "
-                f"worker has {have} of {torch.cuda.device_count()} visible "
-                f"(xdist workers: {os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1')})")
+        return (f"needs {need} GPU(s) for {world_size} rank(s) on device={device!r} ({backend}, one GPU "
+                f"per rank); {have} visible")
     return None
 
 

@@ -1,0 +1,128 @@
+"""An exact toy problem for scaler checks, the placements table, and a pure-Python model of the rules.
+
+loss = sum_i <p_i, c_i> computed on the loss device, so grad p_i == c_i exactly: with power-of-two
+scales, every scaled and unscaled grad is exact in fp32, fp16 and bf16, and any deviation is a bug.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+# placement -> where the scaler's device, the params (hence grads) and the loss live
+PLACEMENTS = {
+    "cpu": dict(scaler="cpu", params=("cpu",), loss="cpu"),
+    "cuda": dict(scaler="cuda", params=("cuda",), loss="cuda"),
+    # FSDP CPU offload: compute (and loss, and scale) on the GPU, grads land on CPU
+    "offload": dict(scaler="cuda", params=("cpu",), loss="cuda"),
+    # the seed's loss.to(model_device): a CUDA-device scaler whose first scaled loss is on CPU
+    "cpu_loss": dict(scaler="cuda", params=("cpu",), loss="cpu"),
+    # one model with grads on both devices: an inf on one device only must still be seen
+    "mixed": dict(scaler="cuda", params=("cpu", "cuda"), loss="cuda"),
+}
+CPU_PLACEMENTS = ["cpu"]
+GPU_PLACEMENTS = ["cuda", "offload", "cpu_loss", "mixed"]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def placement_params(names=None):
+    """pytest params for placements: the GPU ones carry the gpu marker (skipped without CUDA)."""
+    names = names or CPU_PLACEMENTS + GPU_PLACEMENTS
+    return [pytest.param(n, id=n, marks=[pytest.mark.gpu] if PLACEMENTS[n]["scaler"] != "cpu" else [])
+            for n in names]
+
+
+def harness_device(placement: str, world_size: int) -> str:
+    """The rank harness's device mode for a placement: CPU, NCCL on one GPU, or gloo ranks sharing it."""
+    if PLACEMENTS[placement]["scaler"] == "cpu":
+        return "cpu"
+    return "cuda" if world_size == 1 else "cuda-shared"
+
+
+def _device(kind: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+class Problem:
+    """n_params parameters (round-robin over the placement's devices) with exact targets c_i."""
+
+    def __init__(self, placement: str, dtype: str = "float32", n_params: int = 3, seed_offset: int = 0,
+                 numel: int = 6):
+        spec = PLACEMENTS[placement]
+        self.placement, self.dtype = placement, DTYPES[dtype]
+        self.loss_device = _device(spec["loss"])
+        self.scaler_device = spec["scaler"]
+        g = torch.Generator().manual_seed(1234 + seed_offset)
+        self.params, self.targets = [], []
+        for i in range(n_params):
+            dev = _device(spec["params"][i % len(spec["params"])])
+            p = (torch.randint(-8, 8, (numel,), generator=g).to(self.dtype) / 8).to(dev)
+            c = (torch.randint(-4, 4, (numel,), generator=g).to(self.dtype) / 8).to(dev)
+            self.params.append(p.requires_grad_())
+            self.targets.append(c)
+
+    def loss(self) -> torch.Tensor:
+        dev = self.loss_device
+        return sum((p.to(dev).float() * c.to(dev).float()).sum() for p, c in zip(self.params, self.targets))
+
+    def backward(self, scaler, inject: dict | None = None) -> None:
+        """scaler.scale(loss).backward(); then write inject {param index: value} into grad element 0."""
+        scaler.scale(self.loss()).backward()
+        for i, value in (inject or {}).items():
+            with torch.no_grad():
+                self.params[i].grad.view(-1)[0] = value
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().cpu().clone() for p in self.params]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad.detach().cpu().clone() for p in self.params]
+
+
+def sgd(params, **kw):
+    return torch.optim.SGD(params, lr=kw.pop("lr", 0.5), momentum=kw.pop("momentum", 0.9), **kw)
+
+
+def reference_sgd_run(problem_args: dict, clean_steps: int, clip: float | None = None) -> list[torch.Tensor]:
+    """Params after `clean_steps` SGD+momentum steps on the exact grads, with no scaler at all."""
+    ref = Problem(**problem_args)
+    opt = sgd(ref.params)
+    for _ in range(clean_steps):
+        ref.zero_grad()
+        ref.loss().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.params, clip)
+        opt.step()
+    return ref.snapshot()
+
+
+INF_VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def f32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float64).float().item()
+
+
+def reference_scales(init_scale, growth_factor, backoff_factor, growth_interval, found_inf_per_step):
+    """The GradScaler rules (torch._amp_update_scale_) in plain Python: scale after each update."""
+    scale, tracker, out = f32(init_scale), 0, []
+    for found in found_inf_per_step:
+        if found:
+            scale, tracker = f32(scale * backoff_factor), 0
+        else:
+            tracker += 1
+            if tracker == growth_interval:
+                grown = f32(scale * growth_factor)
+                scale = grown if math.isfinite(grown) else scale
+                tracker = 0
+        out.append(scale)
+    return out
+
+
+def equal_lists(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))

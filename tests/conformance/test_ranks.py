@@ -1,0 +1,143 @@
+"""The contract across ranks: one rank's inf makes every rank skip and back off, in lockstep.
+
+Two gloo ranks on CPU (and, on a GPU machine, two gloo ranks sharing one GPU). Each rank holds a
+different shard of grads, as under FSDP, so a scaler that does not agree on found_inf diverges.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conformance.problem import (INF_VALUES, Problem, equal_lists, harness_device, placement_params,
+                                       reference_scales, sgd)
+from tests.conformance.scalers import make_scaler
+from tests.harness import RankHung, run_on_ranks
+
+pytestmark = pytest.mark.conformance
+
+PLACEMENTS = placement_params(["cpu", "cuda", "offload", "cpu_loss", "mixed"])
+
+
+def run2(body, *args, placement="cpu", timeout=60):
+    return run_on_ranks(body, *args, world_size=2, device=harness_device(placement, 2), timeout=timeout)
+
+
+def _one_step(spec, placement, bad_ranks, value):
+    rank = dist.get_rank()
+    pb = Problem(placement, seed_offset=rank)  # a different shard on every rank
+    s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0, backoff_factor=0.25)
+    opt = sgd(pb.params)
+    before = pb.snapshot()
+    pb.backward(s, inject={1: INF_VALUES[value]} if rank in bad_ranks else None)
+    s.step(opt)
+    s.update()
+    return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+@pytest.mark.parametrize("bad_ranks", [(0,), (1,), (0, 1)], ids=["rank0", "rank1", "both"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_inf_on_some_ranks_makes_every_rank_skip_and_back_off(scaler, placement, bad_ranks, value):
+    out = run2(_one_step, scaler, placement, bad_ranks, value, placement=placement)
+    assert [o["stepped"] for o in out] == [False, False], f"inf/NaN on ranks {bad_ranks}: every rank must skip"
+    assert [o["scale"] for o in out] == [64.0, 64.0], "every rank must back off exactly once (256 * 0.25)"
+
+
+def _clean_step(spec, placement):
+    return _one_step(spec, placement, (), "inf")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_clean_ranks_all_step_and_keep_their_scale(scaler, placement):
+    out = run2(_clean_step, scaler, placement, placement=placement)
+    assert [o["stepped"] for o in out] == [True, True] and [o["scale"] for o in out] == [256.0, 256.0]
+
+
+def _lockstep(spec, placement, pattern):
+    rank = dist.get_rank()
+    pb = Problem(placement, seed_offset=rank)
+    s = make_scaler(spec, device=pb.scaler_device, init_scale=512.0, growth_factor=2.0, backoff_factor=0.5,
+                    growth_interval=2)
+    opt = sgd(pb.params, lr=0.0)
+    scales = []
+    for bad_ranks in pattern:
+        pb.zero_grad()
+        pb.backward(s, inject={rank % 3: math.inf} if rank in bad_ranks else None)
+        s.step(opt)
+        s.update()
+        scales.append(s.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_ranks_keep_scale_in_lockstep(scaler, placement):
+    pattern = [(), (1,), (), (), (0,), (), (0, 1), (), (), (), (1,), (), ()]
+    out = run2(_lockstep, scaler, placement, pattern, placement=placement)
+    want = reference_scales(512.0, 2.0, 0.5, 2, [bool(b) for b in pattern])
+    assert out[0] == out[1], "ranks ended up with different scales: they will diverge"
+    assert out[0] == want
+
+
+def _without_grads(spec, placement, bad):
+    rank = dist.get_rank()
+    pb = Problem(placement, seed_offset=rank)
+    s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0)
+    opt = sgd(pb.params)
+    before = pb.snapshot()
+    if rank == 0:
+        pb.backward(s, inject={0: math.inf} if bad else None)
+    else:  # this rank's shard got no grads this step (e.g. an unused branch), but it still steps
+        s.scale(pb.loss().detach())
+    s.step(opt)
+    s.update()
+    return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["clean", "inf_on_rank0"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_rank_without_grads_takes_part(scaler, placement, bad):
+    out = run2(_without_grads, scaler, placement, bad, placement=placement, timeout=30)
+    assert out[0]["stepped"] is (not bad) and out[1]["stepped"] is False  # rank 1 has nothing to step
+    assert out[0]["scale"] == out[1]["scale"] == (128.0 if bad else 256.0)
+
+
+def _own_group(spec, placement):
+    rank = dist.get_rank()
+    groups = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in order
+    pb = Problem(placement, seed_offset=rank)
+    s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0, process_group=groups[rank])
+    opt = sgd(pb.params)
+    before = pb.snapshot()
+    pb.backward(s, inject={0: math.inf} if rank == 1 else None)
+    s.step(opt)
+    s.update()
+    for g in groups:
+        dist.destroy_process_group(g)
+    return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
+
+
+@pytest.mark.parametrize("placement", placement_params(["cpu", "offload"]))
+def test_agreement_uses_the_given_process_group(scaler, placement):
+    """Each rank alone in its group: rank 1's inf must not reach rank 0 through WORLD."""
+    out = run2(_own_group, scaler, placement, placement=placement)
+    assert out[0] == dict(stepped=True, scale=256.0), "rank 0's group saw no inf"
+    assert out[1] == dict(stepped=False, scale=128.0)
+
+
+def _only_rank0_steps(spec, placement):
+    pb = Problem(placement, seed_offset=dist.get_rank())
+    s = make_scaler(spec, device=pb.scaler_device)
+    opt = sgd(pb.params)
+    pb.backward(s)
+    if dist.get_rank() == 0:  # a rank that skips the optimizer step: the classic mismatched collective
+        s.step(opt)
+        s.update()
+    return True
+
+
+@pytest.mark.parametrize("placement", placement_params(["cpu"]))
+def test_unmatched_step_surfaces_as_a_hang_in_bounded_time(scaler, placement):
+    """A scaler that agrees across ranks must block here; the harness turns that into a failure."""
+    with pytest.raises(RankHung, match="rank"):
+        run2(_only_rank0_steps, scaler, placement, placement=placement, timeout=5)
