@@ -20,9 +20,11 @@ PLACEMENTS = {
     "cpu_loss": dict(scaler="cuda", params=("cpu",), loss="cpu"),
     # one model with grads on both devices: an inf on one device only must still be seen
     "mixed": dict(scaler="cuda", params=("cpu", "cuda"), loss="cuda"),
+    # grads on both devices and the scale on CPU (its first scaled loss was on CPU)
+    "mixed_cpu_scale": dict(scaler="cuda", params=("cpu", "cuda"), loss="cpu"),
 }
 CPU_PLACEMENTS = ["cpu"]
-GPU_PLACEMENTS = ["cuda", "offload", "cpu_loss", "mixed"]
+GPU_PLACEMENTS = ["cuda", "offload", "cpu_loss", "mixed"]  # the default set; mixed_cpu_scale is opt-in
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -72,6 +74,10 @@ class Problem:
         for i, value in (inject or {}).items():
             with torch.no_grad():
                 self.params[i].grad.view(-1)[0] = value
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # an idle GPU at step(): the contract checks stay deterministic; the async-copy race
+            # that a busy GPU exposes is checked on purpose in test_busy_gpu.py
+            torch.cuda.synchronize()
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -99,10 +99,21 @@ EVERY_TEST = None  # KnownBug.tests: every test that builds an enabled scaler
 ENABLED_FREE_TESTS = {"test_disabled_scaler_is_a_pass_through"}
 NOT_SHARD_AWARE = {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", "test_ranks_keep_scale_in_lockstep",
                    "test_rank_without_grads_takes_part", "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"}
+UNSCALE_TESTS = {"test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_skips_step_and_backs_off"}
+BUSY = "test_busy_gpu_cpu_grads_are_unscaled_and_checked"
+CPU_SCALE = ("cpu", "cpu_loss", "mixed_cpu_scale")  # placements where the scale tensor lives on CPU
+CPU_GRADS_CUDA_SCALE = ("offload", "mixed")
 
 
-def _dtype_is(name):
-    return lambda params, cuda: params.get("dtype") == name
+def _where(**conditions):
+    """when= for KnownBug: every named callspec param is in its allowed values (tuples) or equal."""
+    def when(params, cuda):
+        for name, allowed in conditions.items():
+            value = params.get(name)
+            if not (value in allowed if isinstance(allowed, (tuple, list, set)) else value == allowed):
+                return False
+        return True
+    return when
 
 
 KNOWN_BUGS = [
@@ -110,18 +121,59 @@ KNOWN_BUGS = [
          "fairscale ShardedGradScaler silently disables itself without CUDA (amp_definitely_not_available) "
          "and then steps on inf grads; it has no device argument",
          when=lambda params, cuda: not cuda),
-    _bug({"torch_amp"}, {"test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_skips_step_and_backs_off"},
+    _bug({"torch_amp"}, UNSCALE_TESTS,
          "torch.amp.GradScaler refuses fp16 grads by design (ValueError: Attempting to unscale FP16 gradients.), "
-         "which FSDP mixed precision without offload produces", when=_dtype_is("float16")),
+         "which FSDP mixed precision without offload produces", when=_where(dtype="float16")),
+    _bug({"torch_amp", "torch_sharded", "fairscale_sharded"}, UNSCALE_TESTS,
+         "FINDINGS bug 5: torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16 "
+         "(NotImplementedError ... not implemented for 'BFloat16'), so bf16 grads on CUDA crash the scaler",
+         when=_where(dtype="bfloat16", placement=("cuda", "mixed"))),
     _bug({"torch_amp"}, NOT_SHARD_AWARE,
          "torch.amp.GradScaler does not agree on found_inf across ranks (it relies on DDP's all-reduced grads): "
          "with sharded grads an inf on one rank makes only that rank skip and back off",
          when=lambda params, cuda: params.get("bad_ranks") != (0, 1)),
-    _bug({"torch_sharded"}, {"test_growth_never_overflows_to_inf"},
-         "torch ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the "
-         "isfinite check of torch._amp_update_scale_: float32 max * growth_factor becomes inf, then every "
-         "step overflows and backs off inf forever",
-         when=lambda params, cuda: params.get("placement", "cpu") == "cpu"),
+    _bug({"torch_amp"}, {BUSY}, "torch.amp.GradScaler does not agree on found_inf across ranks",
+         when=_where(world_size=2, bad=True, placement="cuda")),
+    _bug({"torch_sharded", "fairscale_sharded"}, {"test_growth_never_overflows_to_inf"},
+         "ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the isfinite check "
+         "of torch._amp_update_scale_: float32 max * growth_factor becomes inf, then every step overflows and "
+         "backs off from inf forever (torch and fairscale alike)",
+         when=_where(placement=CPU_SCALE)),
+    _bug({"fairscale_sharded"}, {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"},
+         "FINDINGS bug 1: fairscale ShardedGradScaler all-reduces a CPU found_inf on a CUDA copy and throws the "
+         "result away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip",
+         when=lambda params, cuda: params.get("placement") in ("cpu", "offload", "cpu_loss")
+         and params.get("bad_ranks") != (0, 1)),
+    _bug({"fairscale_sharded"}, {"test_ranks_keep_scale_in_lockstep"},
+         "FINDINGS bug 1: fairscale never agrees on a CPU found_inf across ranks, so their scales diverge",
+         when=_where(placement=("cpu", "offload", "cpu_loss", "mixed"))),
+    _bug({"fairscale_sharded"}, {"test_rank_without_grads_takes_part"},
+         "fairscale ShardedGradScaler records no found_inf on a rank without grads: that rank raises 'No inf "
+         "checks were recorded for this optimizer' while the others wait in all_reduce (fixed in torch by "
+         "pytorch#99174, never in fairscale)"),
+    _bug({"fairscale_sharded"}, {"test_state_dict_round_trip_resumes_identically"},
+         "FINDINGS bug 4: fairscale sets _growth_tracker to a Python int on backoff when the scale is on CPU; "
+         "state_dict() then raises AttributeError: 'int' object has no attribute 'item'",
+         when=_where(placement=CPU_SCALE)),
+    _bug({"fairscale_sharded"}, {"test_update_with_new_scale"},
+         "fairscale ShardedGradScaler.update(new_scale=tensor) asserts a torch.cuda.FloatTensor, so a CPU "
+         "tensor for a scale that lives on CPU is refused", when=_where(placement="cpu", as_tensor=True)),
+    _bug({"fairscale_sharded"}, {"test_inf_on_two_devices_backs_off_once"},
+         "FINDINGS bug 3: fairscale _amp_update_scale_cpu_ backs off only if found_inf == 1.0; an inf on two "
+         "devices sums to 2.0 and the scale grows instead", when=_where(placement="mixed_cpu_scale")),
+    _bug({"torch_sharded"}, {"test_rank_without_grads_takes_part"},
+         "torch ShardedGradScaler issues one all_reduce per device holding grads: a rank with grads on CPU and "
+         "CUDA makes two collectives, a rank without grads one, and the group hangs",
+         when=_where(placement="mixed")),
+    _bug({"torch_amp", "torch_sharded"}, {BUSY},
+         "FINDINGS bug 2: inv_scale/found_inf are copied to CPU with non_blocking=True and used before the "
+         "copy lands while the GPU is busy: CPU grads are zeroed or an inf is missed. Bites real loops that "
+         "queue GPU work between backward and unscale_/step", when=_where(placement=CPU_GRADS_CUDA_SCALE)),
+    _bug({"fairscale_sharded"}, {BUSY},
+         "FINDINGS bug 2 (fairscale reads inv_scale's non_blocking CPU copy before it lands: CPU grads zeroed) "
+         "and, on 2 ranks, bug 1 (CPU found_inf never agreed)",
+         when=lambda params, cuda: params.get("placement") in CPU_GRADS_CUDA_SCALE
+         and not (params.get("bad") and params.get("world_size") == 1)),
 ]
 
 

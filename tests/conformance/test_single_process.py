@@ -141,6 +141,23 @@ def test_inf_or_nan_skips_step_and_backs_off(scaler, placement, dtype, where, va
     assert out["final_scale"] == 64.0
 
 
+def _inf_on_two_devices(spec, placement):
+    pb = Problem(placement)
+    s = build(spec, pb, init_scale=256.0, backoff_factor=0.25)
+    opt = sgd(pb.params)
+    before = pb.snapshot()
+    pb.backward(s, inject={0: math.inf, 1: math.nan})  # param 0 on CPU, param 1 on CUDA
+    s.step(opt)
+    s.update()
+    return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
+
+
+@pytest.mark.parametrize("placement", placement_params(["mixed", "mixed_cpu_scale"]))
+def test_inf_on_two_devices_backs_off_once(scaler, placement):
+    """found_inf summed over two devices is 2.0: still one skip and one backoff."""
+    assert run1(_inf_on_two_devices, scaler, placement, placement=placement) == dict(stepped=False, scale=64.0)
+
+
 # ------------------------------------------------------------------ the scale rules
 
 def _trajectory(spec, placement, init_scale, growth_factor, backoff_factor, growth_interval, pattern):

@@ -1,0 +1,53 @@
+"""Cost of one 2-rank case through the persistent rank pool vs. spawn-per-case (isolation mode).
+
+    python benchmarks/harness.py [--n 10]
+
+The case: a tiny MLP under torch FSDP on CPU (gloo, 2 ranks), 3 SGD steps with a scaler. Both
+engines run it N times in this one process; the first pooled run (which spawns the pool) is
+reported apart. Last line: pool_speedup=<spawn seconds per case / pool seconds per case>.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.cases import fsdp_mlp_three_steps  # noqa: E402
+from tests.harness import configure, run_on_ranks, shutdown_pools  # noqa: E402
+
+
+def timed(n):
+    times, results = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        results.append(run_on_ranks(fsdp_mlp_three_steps, world_size=2))
+        times.append(time.perf_counter() - t0)
+    return times, results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=10)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    first = run_on_ranks(fsdp_mlp_three_steps, world_size=2)
+    start_up = time.perf_counter() - t0
+    pool_times, pool_results = timed(args.n)
+    shutdown_pools()
+    configure(isolate=True)
+    spawn_times, spawn_results = timed(args.n)
+    same = all(all(a.equal(b) for a, b in zip(r, first)) for r in pool_results + spawn_results)
+    pool, spawn = statistics.median(pool_times), statistics.median(spawn_times)
+    print(f"pool start-up (spawn + first case): {start_up * 1e3:.0f} ms")
+    print(f"pool:  median {pool * 1e3:8.1f} ms per case over {args.n} (min {min(pool_times) * 1e3:.1f})")
+    print(f"spawn: median {spawn * 1e3:8.1f} ms per case over {args.n} (min {min(spawn_times) * 1e3:.1f})")
+    print(f"results identical across all runs and both engines: {same}")
+    print(f"pool_speedup={spawn / pool:.1f}")
+    if not same:
+        sys.exit("results differ between runs: the benchmark case is not deterministic")
+
+
+if __name__ == "__main__":
+    main()
