@@ -172,8 +172,12 @@ class DeviceSplitGradScaler:
                 if device not in found:
                     found[device] = torch.zeros((), dtype=torch.float32, device=device)
                     inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
-                _check_and_unscale(grads, found[device], inv[device])
+                self._check_and_unscale(grads, found[device], inv[device])
         return found
+
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale) -> None:
+        _check_and_unscale(grads, found_inf, inv_scale)
 
     def _agree(self, found: dict[torch.device, torch.Tensor]) -> float:
         """Sum found_inf over devices and ranks with one collective; return it on the host."""

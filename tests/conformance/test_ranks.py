@@ -23,23 +23,28 @@ def run2(body, *args, placement="cpu", timeout=60):
     return run_on_ranks(body, *args, world_size=2, device=harness_device(placement, 2), timeout=timeout)
 
 
-def _one_step(spec, placement, bad_ranks, value):
+def _one_step(spec, placement, bad_ranks, value, explicit_unscale=False):
     rank = dist.get_rank()
     pb = Problem(placement, seed_offset=rank)  # a different shard on every rank
     s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0, backoff_factor=0.25)
     opt = sgd(pb.params)
     before = pb.snapshot()
     pb.backward(s, inject={1: INF_VALUES[value]} if rank in bad_ranks else None)
+    if explicit_unscale:  # the clipping path: agreement must not depend on who unscales
+        s.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(pb.params, 1.0)
     s.step(opt)
     s.update()
     return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
 
 
+@pytest.mark.parametrize("explicit_unscale", [False, True], ids=["step", "unscale_clip_step"])
 @pytest.mark.parametrize("value", ["inf", "nan"])
 @pytest.mark.parametrize("bad_ranks", [(0,), (1,), (0, 1)], ids=["rank0", "rank1", "both"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_inf_on_some_ranks_makes_every_rank_skip_and_back_off(scaler, placement, bad_ranks, value):
-    out = run2(_one_step, scaler, placement, bad_ranks, value, placement=placement)
+def test_inf_on_some_ranks_makes_every_rank_skip_and_back_off(scaler, placement, bad_ranks, value,
+                                                              explicit_unscale):
+    out = run2(_one_step, scaler, placement, bad_ranks, value, explicit_unscale, placement=placement)
     assert [o["stepped"] for o in out] == [False, False], f"inf/NaN on ranks {bad_ranks}: every rank must skip"
     assert [o["scale"] for o in out] == [64.0, 64.0], "every rank must back off exactly once (256 * 0.25)"
 
@@ -79,6 +84,26 @@ def test_ranks_keep_scale_in_lockstep(scaler, placement):
     assert out[0] == want
 
 
+def _two_optimizers_on_ranks(spec, placement):
+    rank = dist.get_rank()
+    pb = Problem(placement, n_params=2, seed_offset=rank)
+    s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0)
+    opt_a, opt_b = sgd([pb.params[0]]), sgd([pb.params[1]])
+    before = pb.snapshot()
+    pb.backward(s, inject={1: math.inf} if rank == 1 else None)  # only optimizer b, only on rank 1
+    s.step(opt_a)
+    s.step(opt_b)
+    s.update()
+    return dict(stepped=[not torch.equal(a, b) for a, b in zip(pb.snapshot(), before)], scale=s.get_scale())
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_each_optimizer_agrees_across_ranks(scaler, placement):
+    out = run2(_two_optimizers_on_ranks, scaler, placement, placement=placement)
+    assert [o["stepped"] for o in out] == [[True, False], [True, False]], "b skips on every rank, a steps"
+    assert [o["scale"] for o in out] == [128.0, 128.0]
+
+
 def _without_grads(spec, placement, bad):
     rank = dist.get_rank()
     pb = Problem(placement, seed_offset=rank)
@@ -97,7 +122,7 @@ def _without_grads(spec, placement, bad):
 @pytest.mark.parametrize("bad", [False, True], ids=["clean", "inf_on_rank0"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_rank_without_grads_takes_part(scaler, placement, bad):
-    out = run2(_without_grads, scaler, placement, bad, placement=placement, timeout=30)
+    out = run2(_without_grads, scaler, placement, bad, placement=placement, timeout=20)
     assert out[0]["stepped"] is (not bad) and out[1]["stepped"] is False  # rank 1 has nothing to step
     assert out[0]["scale"] == out[1]["scale"] == (128.0 if bad else 256.0)
 

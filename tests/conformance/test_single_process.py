@@ -32,13 +32,14 @@ def build(spec, problem, **kw):
 def _settings(spec, placement):
     pb = Problem(placement)
     s = build(spec, pb, init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+    state = s.state_dict()  # before the first scale(): the constructor's values
     return (s.is_enabled(), s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(),
-            s.get_growth_interval())
+            s.get_growth_interval(), float(state["scale"]), int(state["_growth_tracker"]))
 
 
 @pytest.mark.parametrize("placement", CPU_ONLY)
 def test_enabled_scaler_reports_its_settings(scaler, placement):
-    assert run1(_settings, scaler, placement, placement=placement) == (True, 1024.0, 3.0, 0.25, 7)
+    assert run1(_settings, scaler, placement, placement=placement) == (True, 1024.0, 3.0, 0.25, 7, 1024.0, 0)
 
 
 def _scale_outputs(spec, placement):
@@ -158,6 +159,48 @@ def test_inf_on_two_devices_backs_off_once(scaler, placement):
     assert run1(_inf_on_two_devices, scaler, placement, placement=placement) == dict(stepped=False, scale=64.0)
 
 
+def _param_groups(spec, placement, bad):
+    pb = Problem(placement)
+    frozen = torch.zeros(3, device=pb.params[0].device, requires_grad=True)  # never gets a grad
+    s = build(spec, pb, init_scale=256.0)
+    opt = torch.optim.SGD([{"params": [pb.params[0]]}, {"params": [pb.params[1], frozen, pb.params[2]], "lr": 0.25}],
+                          lr=0.5)
+    before = pb.snapshot()
+    pb.backward(s, inject={bad: math.inf} if bad is not None else None)
+    s.step(opt)
+    s.update()
+    return dict(stepped=[not torch.equal(a, b) for a, b in zip(pb.snapshot(), before)], scale=s.get_scale(),
+                grads=pb.grads(), targets=[c.cpu() for c in pb.targets])
+
+
+@pytest.mark.parametrize("bad", [None, 0, 2], ids=["clean", "inf_in_group0", "inf_in_group1"])
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_every_param_group_is_checked(scaler, placement, bad):
+    out = run1(_param_groups, scaler, placement, bad, placement=placement)
+    if bad is None:
+        assert out["stepped"] == [True, True, True] and out["scale"] == 256.0
+        assert equal_lists(out["grads"], out["targets"]), "every group's grads must be unscaled"
+    else:
+        assert out["stepped"] == [False, False, False] and out["scale"] == 128.0
+
+
+def _accumulate(spec, placement, micro_batches):
+    pb = Problem(placement)
+    s = build(spec, pb, init_scale=128.0)
+    opt = sgd(pb.params)
+    for _ in range(micro_batches):  # gradient accumulation: several scaled backwards, one step
+        pb.backward(s)
+    s.step(opt)
+    s.update()
+    return pb.grads(), [c.cpu() * micro_batches for c in pb.targets]
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_gradient_accumulation_over_several_backwards(scaler, placement):
+    grads, want = run1(_accumulate, scaler, placement, 3, placement=placement)
+    assert equal_lists(grads, want), "each micro-batch's loss must be scaled by the same scale"
+
+
 # ------------------------------------------------------------------ the scale rules
 
 def _trajectory(spec, placement, init_scale, growth_factor, backoff_factor, growth_interval, pattern):
@@ -270,12 +313,12 @@ def test_unscale_then_clip_then_step_unscales_once(scaler, placement):
     assert equal_lists(out["params"], out["reference"])
 
 
-def _two_optimizers(spec, placement, bad_opt):
+def _two_optimizers(spec, placement, bad_opts):
     pb = Problem(placement, n_params=2)
     s = build(spec, pb, init_scale=256.0)
     opt_a, opt_b = sgd([pb.params[0]]), sgd([pb.params[1]])
     before = pb.snapshot()
-    pb.backward(s, inject={bad_opt: math.inf} if bad_opt is not None else None)
+    pb.backward(s, inject={i: math.inf for i in bad_opts})
     s.step(opt_a)
     s.step(opt_b)
     s.update()
@@ -290,13 +333,16 @@ def _two_optimizers(spec, placement, bad_opt):
                 scale_second=s.get_scale())
 
 
+@pytest.mark.parametrize("bad_opts", [(0,), (1,), (0, 1)], ids=["inf_in_a", "inf_in_b", "inf_in_both"])
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS)
-def test_two_optimizers_skip_independently_back_off_once(scaler, placement):
-    out = run1(_two_optimizers, scaler, placement, 0, placement=placement)
-    assert torch.equal(out["first"][0], out["before"][0]), "the optimizer that saw inf must skip"
-    assert not torch.equal(out["first"][1], out["before"][1]), "the other optimizer must step"
+def test_two_optimizers_skip_independently_back_off_once(scaler, placement, bad_opts):
+    out = run1(_two_optimizers, scaler, placement, bad_opts, placement=placement)
+    for i in range(2):
+        stepped = not torch.equal(out["first"][i], out["before"][i])
+        assert stepped is (i not in bad_opts), f"optimizer {'ab'[i]}: steps iff its own grads are finite"
+        assert not torch.equal(out["second"][i], out["first"][i]), "the next clean iteration steps both"
     assert out["scale_first"] == 128.0, "one backoff per update, however many optimizers saw inf"
-    assert not torch.equal(out["second"][0], out["first"][0]) and out["scale_second"] == 128.0
+    assert out["scale_second"] == 128.0
 
 
 def _sparse(spec, placement, bad):

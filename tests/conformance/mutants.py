@@ -1,0 +1,417 @@
+"""Scalers with one planted defect each: the conformance suite must fail every one of them.
+
+Each is `ours` with a single clause of the contract broken, the kind of bug seen upstream. Use
+one with `--scaler tests.conformance.mutants:<name>`; test_mutants.py runs them all and checks
+that the tests named in EXPECTED fail (and that every mutant fails something).
+"""
+import math
+
+import torch
+
+from scaler_impl.scaler import DeviceSplitGradScaler, _check_and_unscale, _f32
+
+
+class NoAgreement(DeviceSplitGradScaler):
+    """found_inf is never all-reduced: ranks decide alone (torch.amp.GradScaler's behaviour)."""
+
+    def _agree(self, found):
+        return float(sum(t.item() for t in found.values()))
+
+
+class WorldGroup(DeviceSplitGradScaler):
+    """Agrees over WORLD, whatever process_group it was given."""
+
+    def _agree(self, found):
+        group, self.process_group = self.process_group, None
+        try:
+            return super()._agree(found)
+        finally:
+            self.process_group = group
+
+
+class BackoffOnlyIfExactlyOne(DeviceSplitGradScaler):
+    """fairscale's found_inf.item() == 1.0 (FINDINGS bug 3): a sum of 2.0 counts as clean."""
+
+    def _agree(self, found):
+        value = super()._agree(found)
+        return value if value == 1.0 else 0.0
+
+
+class GrowsOneStepLate(DeviceSplitGradScaler):
+    """Grows after growth_interval + 1 clean steps."""
+
+    def update(self, new_scale=None):
+        if self._enabled:
+            self._growth_interval += 1
+        try:
+            super().update(new_scale)
+        finally:
+            if self._enabled:
+                self._growth_interval -= 1
+
+
+class TrackerNotResetOnBackoff(DeviceSplitGradScaler):
+    """A backoff keeps the growth progress made before it."""
+
+    def update(self, new_scale=None):
+        if not self._enabled or new_scale is not None:
+            return super().update(new_scale)
+        tracker = self._growth_tracker
+        bad = any(s["found_inf"] for s in self._per_optimizer_states.values())
+        super().update(new_scale)
+        if bad:
+            self._growth_tracker = tracker
+
+
+class StateDictForgetsTracker(DeviceSplitGradScaler):
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        if self._enabled:
+            self._growth_tracker = 0
+
+
+class UnscalesTwice(DeviceSplitGradScaler):
+    """step() unscales again after an explicit unscale_."""
+
+    def step(self, optimizer, *args, **kwargs):
+        state = self._per_optimizer_states[id(optimizer)] if self._enabled else None
+        if state is not None and state["found_inf"] is not None:
+            self._unscale_grads_(optimizer)
+        return super().step(optimizer, *args, **kwargs)
+
+
+class MissesNaN(DeviceSplitGradScaler):
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        found_inf.add_(torch.stack([g.isinf().any() for g in grads]).any().float())
+        torch._foreach_mul_(grads, inv_scale)
+
+
+class MissesNegativeInf(DeviceSplitGradScaler):
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        found_inf.add_(torch.stack([(g.isnan() | (g == math.inf)).any() for g in grads]).any().float())
+        torch._foreach_mul_(grads, inv_scale)
+
+
+class ChecksFirstGradOnly(DeviceSplitGradScaler):
+    """Only the first grad of each (device, dtype) group is checked (fairscale before PR 890)."""
+
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        _check_and_unscale(grads[:1], found_inf, inv_scale)
+        if len(grads) > 1:
+            torch._foreach_mul_(grads[1:], inv_scale)
+
+
+class SkipsLowPrecisionCheck(DeviceSplitGradScaler):
+    """fp16/bf16 grads are unscaled but never checked."""
+
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        if grads[0].dtype == torch.float32:
+            _check_and_unscale(grads, found_inf, inv_scale)
+        else:
+            torch._foreach_mul_(grads, inv_scale)
+
+
+class LeavesHalfGradsScaled(DeviceSplitGradScaler):
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        if grads[0].dtype == torch.float16:
+            found_inf.add_(torch.stack([g.isfinite().all() for g in grads]).all().logical_not().float())
+        else:
+            _check_and_unscale(grads, found_inf, inv_scale)
+
+
+class StepsOnInf(DeviceSplitGradScaler):
+    """Backs off on inf but calls optimizer.step() anyway."""
+
+    def step(self, optimizer, *args, **kwargs):
+        if not self._enabled:
+            return super().step(optimizer, *args, **kwargs)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"].name == "READY":
+            self.unscale_(optimizer)
+        found, state["found_inf"] = state["found_inf"], 0.0
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            state["found_inf"] = found
+
+
+class HardcodedGrowthFactor(DeviceSplitGradScaler):
+    def update(self, new_scale=None):
+        if self._enabled:
+            self._growth_factor = 2.0
+        super().update(new_scale)
+
+
+class BackoffIsInverseGrowth(DeviceSplitGradScaler):
+    def update(self, new_scale=None):
+        if self._enabled:
+            self._backoff_factor = 1.0 / self._growth_factor
+        super().update(new_scale)
+
+
+class GrowsToInf(DeviceSplitGradScaler):
+    """Grows even when the grown scale is inf (no isfinite check)."""
+
+    def update(self, new_scale=None):
+        due = (self._enabled and new_scale is None and self._growth_tracker + 1 == self._growth_interval
+               and not any(s["found_inf"] for s in self._per_optimizer_states.values()))
+        old = self._scale if self._enabled else None
+        super().update(new_scale)
+        if due and not math.isfinite(_f32(old * self._growth_factor)):
+            self._set_scale(math.inf)
+
+
+class StaleScaleAfterBackoff(DeviceSplitGradScaler):
+    """scale() keeps multiplying by the scale tensor cached before update() changed the scale."""
+
+    def _set_scale(self, value):
+        self._scale = _f32(value)  # the per-device tensor cache is not invalidated
+
+
+class IgnoresSparseGrads(DeviceSplitGradScaler):
+    def _unscale_grads_(self, optimizer):
+        hidden = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    hidden.append((p, p.grad))
+                    p.grad = None
+        try:
+            return super()._unscale_grads_(optimizer)
+        finally:
+            for p, g in hidden:
+                p.grad = g
+
+
+class AllowsStepTwice(DeviceSplitGradScaler):
+    def step(self, optimizer, *args, **kwargs):
+        if self._enabled:
+            state = self._per_optimizer_states[id(optimizer)]
+            if state["stage"].name == "STEPPED":
+                state["stage"] = type(state["stage"]).UNSCALED
+        return super().step(optimizer, *args, **kwargs)
+
+
+class AllowsUnscaleTwice(DeviceSplitGradScaler):
+    def unscale_(self, optimizer):
+        if self._enabled:
+            state = self._per_optimizer_states[id(optimizer)]
+            if state["stage"].name == "UNSCALED":
+                return
+        super().unscale_(optimizer)
+
+
+class DisabledStillScales(DeviceSplitGradScaler):
+    def scale(self, outputs):
+        if not self._enabled and isinstance(outputs, torch.Tensor):
+            return outputs * 2.0
+        return super().scale(outputs)
+
+
+class BacksOffPerOptimizer(DeviceSplitGradScaler):
+    def update(self, new_scale=None):
+        bad = sum(1 for s in self._per_optimizer_states.values() if s["found_inf"]) if self._enabled else 0
+        super().update(new_scale)
+        for _ in range(max(0, bad - 1)):
+            self._set_scale(self._scale * self._backoff_factor)
+
+
+class OneInfSkipsEveryOptimizer(DeviceSplitGradScaler):
+    def step(self, optimizer, *args, **kwargs):
+        if self._enabled and any(s["found_inf"] for s in self._per_optimizer_states.values()):
+            if self._per_optimizer_states[id(optimizer)]["stage"].name == "READY":
+                self.unscale_(optimizer)
+            self._per_optimizer_states[id(optimizer)]["found_inf"] = 1.0
+        return super().step(optimizer, *args, **kwargs)
+
+
+class IgnoresNewScale(DeviceSplitGradScaler):
+    def update(self, new_scale=None):
+        if new_scale is not None:
+            self._per_optimizer_states.clear()
+            return
+        super().update(new_scale)
+
+
+class SkipsCollectiveWithoutGrads(DeviceSplitGradScaler):
+    """A rank with no grads records nothing and skips the all_reduce (pytorch#99174)."""
+
+    def _agree(self, found):
+        if not found:
+            return 0.0
+        return super()._agree(found)
+
+
+class DropsStepReturnValue(DeviceSplitGradScaler):
+    def step(self, optimizer, *args, **kwargs):
+        super().step(optimizer, *args, **kwargs)
+        return None
+
+
+class DropsStepArguments(DeviceSplitGradScaler):
+    def step(self, optimizer, *args, **kwargs):
+        return super().step(optimizer)
+
+
+class SettersIgnored(DeviceSplitGradScaler):
+    def set_growth_interval(self, new_interval):
+        pass
+
+    def set_growth_factor(self, new_factor):
+        pass
+
+
+class NoInitCheck(DeviceSplitGradScaler):
+    def _check_initialized(self, funcname):
+        if self._scale_device is None:
+            self._scale_device = torch.device("cpu")
+
+
+class EmptyStateDictAccepted(DeviceSplitGradScaler):
+    def load_state_dict(self, state_dict):
+        if state_dict:
+            super().load_state_dict(state_dict)
+
+
+class ScaleLosesStructure(DeviceSplitGradScaler):
+    def scale(self, outputs):
+        if self._enabled and isinstance(outputs, tuple):
+            return [self.scale(o) for o in outputs]
+        return super().scale(outputs)
+
+
+class InitScaleIgnored(DeviceSplitGradScaler):
+    def __init__(self, **kwargs):
+        kwargs["init_scale"] = 2.0 ** 16
+        super().__init__(**kwargs)
+
+
+class FirstParamGroupOnly(DeviceSplitGradScaler):
+    """Unscales and checks only optimizer.param_groups[0]."""
+
+    def _unscale_grads_(self, optimizer):
+        class _FirstGroup:
+            param_groups = optimizer.param_groups[:1]
+        return super()._unscale_grads_(_FirstGroup)
+
+
+class ScalesOnlyFirstOutput(DeviceSplitGradScaler):
+    """A second scale() before step() (gradient accumulation) returns the output unscaled."""
+
+    def scale(self, outputs):
+        if self._enabled and getattr(self, "_scaled_this_step", False) and isinstance(outputs, torch.Tensor):
+            return outputs
+        self._scaled_this_step = True
+        return super().scale(outputs)
+
+    def update(self, new_scale=None):
+        self._scaled_this_step = False
+        super().update(new_scale)
+
+
+class AgreesOnlyInStep(DeviceSplitGradScaler):
+    """An explicit unscale_ (the clipping path) decides alone; only step()'s own unscale agrees."""
+
+    def unscale_(self, optimizer):
+        self._local_only = True
+        try:
+            super().unscale_(optimizer)
+        finally:
+            self._local_only = False
+
+    def step(self, optimizer, *args, **kwargs):
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"].name == "READY":
+            self._check_initialized("step")
+            state = self._per_optimizer_states[id(optimizer)]
+            state["found_inf"] = DeviceSplitGradScaler._agree(self, self._unscale_grads_(optimizer))
+            state["stage"] = type(state["stage"]).UNSCALED
+        return super().step(optimizer, *args, **kwargs)
+
+    def _agree(self, found):
+        if getattr(self, "_local_only", False):
+            return float(sum(t.item() for t in found.values()))
+        return super()._agree(found)
+
+
+class AgreesForFirstOptimizerOnly(DeviceSplitGradScaler):
+    def _agree(self, found):
+        if len(self._per_optimizer_states) > 1:
+            return float(sum(t.item() for t in found.values()))
+        return super()._agree(found)
+
+
+def _factory(cls):
+    def make(**kwargs):
+        return cls(**kwargs)
+    make.__name__ = make.__qualname__ = cls.__name__
+    return make
+
+
+# mutant factory name -> the test functions that must fail on it (at least one item each)
+EXPECTED = {
+    "no_agreement": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off",
+                     "test_ranks_keep_scale_in_lockstep", "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"],
+    "world_group": ["test_agreement_uses_the_given_process_group"],
+    "backoff_only_if_exactly_one": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"],
+    "grows_one_step_late": ["test_growth_after_exactly_growth_interval_clean_steps",
+                            "test_scale_trajectory_matches_reference_model"],
+    "tracker_not_reset_on_backoff": ["test_scale_trajectory_matches_reference_model"],
+    "state_dict_forgets_tracker": ["test_state_dict_round_trip_resumes_identically"],
+    "unscales_twice": ["test_unscale_then_clip_then_step_unscales_once"],
+    "misses_nan": ["test_inf_or_nan_skips_step_and_backs_off"],
+    "misses_negative_inf": ["test_inf_or_nan_skips_step_and_backs_off"],
+    "checks_first_grad_only": ["test_inf_or_nan_skips_step_and_backs_off"],
+    "skips_low_precision_check": ["test_inf_or_nan_skips_step_and_backs_off"],
+    "leaves_half_grads_scaled": ["test_clean_step_unscales_exactly_and_steps"],
+    "steps_on_inf": ["test_inf_or_nan_skips_step_and_backs_off"],
+    "hardcoded_growth_factor": ["test_growth_after_exactly_growth_interval_clean_steps"],
+    "backoff_is_inverse_growth": ["test_scale_trajectory_matches_reference_model"],
+    "grows_to_inf": ["test_growth_never_overflows_to_inf"],
+    "stale_scale_after_backoff": ["test_inf_or_nan_skips_step_and_backs_off"],
+    "ignores_sparse_grads": ["test_sparse_grads"],
+    "allows_step_twice": ["test_misuse_raises_like_torch"],
+    "allows_unscale_twice": ["test_misuse_raises_like_torch"],
+    "disabled_still_scales": ["test_disabled_scaler_is_a_pass_through"],
+    "backs_off_per_optimizer": ["test_two_optimizers_skip_independently_back_off_once"],
+    "one_inf_skips_every_optimizer": ["test_two_optimizers_skip_independently_back_off_once"],
+    "ignores_new_scale": ["test_update_with_new_scale"],
+    "skips_collective_without_grads": ["test_rank_without_grads_takes_part"],
+    "drops_step_return_value": ["test_step_forwards_arguments_and_return_value"],
+    "drops_step_arguments": ["test_step_forwards_arguments_and_return_value"],
+    "setters_ignored": ["test_setters_take_effect"],
+    "no_init_check": ["test_misuse_raises_like_torch"],
+    "empty_state_dict_accepted": ["test_misuse_raises_like_torch"],
+    "scale_loses_structure": ["test_scale_multiplies_tensors_and_keeps_structure"],
+    "init_scale_ignored": ["test_enabled_scaler_reports_its_settings"],
+    "first_param_group_only": ["test_every_param_group_is_checked"],
+    "scales_only_first_output": ["test_gradient_accumulation_over_several_backwards"],
+    "agrees_only_in_step": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"],
+    "agrees_for_first_optimizer_only": ["test_each_optimizer_agrees_across_ranks"],
+}
+
+_CLASSES = {
+    "no_agreement": NoAgreement, "world_group": WorldGroup, "backoff_only_if_exactly_one": BackoffOnlyIfExactlyOne,
+    "grows_one_step_late": GrowsOneStepLate, "tracker_not_reset_on_backoff": TrackerNotResetOnBackoff,
+    "state_dict_forgets_tracker": StateDictForgetsTracker, "unscales_twice": UnscalesTwice,
+    "misses_nan": MissesNaN, "misses_negative_inf": MissesNegativeInf, "checks_first_grad_only": ChecksFirstGradOnly,
+    "skips_low_precision_check": SkipsLowPrecisionCheck, "leaves_half_grads_scaled": LeavesHalfGradsScaled,
+    "steps_on_inf": StepsOnInf, "hardcoded_growth_factor": HardcodedGrowthFactor,
+    "backoff_is_inverse_growth": BackoffIsInverseGrowth, "grows_to_inf": GrowsToInf,
+    "stale_scale_after_backoff": StaleScaleAfterBackoff, "ignores_sparse_grads": IgnoresSparseGrads,
+    "allows_step_twice": AllowsStepTwice, "allows_unscale_twice": AllowsUnscaleTwice,
+    "disabled_still_scales": DisabledStillScales, "backs_off_per_optimizer": BacksOffPerOptimizer,
+    "one_inf_skips_every_optimizer": OneInfSkipsEveryOptimizer, "ignores_new_scale": IgnoresNewScale,
+    "skips_collective_without_grads": SkipsCollectiveWithoutGrads, "drops_step_return_value": DropsStepReturnValue,
+    "drops_step_arguments": DropsStepArguments, "setters_ignored": SettersIgnored, "no_init_check": NoInitCheck,
+    "empty_state_dict_accepted": EmptyStateDictAccepted, "scale_loses_structure": ScaleLosesStructure,
+    "init_scale_ignored": InitScaleIgnored, "first_param_group_only": FirstParamGroupOnly,
+    "scales_only_first_output": ScalesOnlyFirstOutput, "agrees_only_in_step": AgreesOnlyInStep,
+    "agrees_for_first_optimizer_only": AgreesForFirstOptimizerOnly,
+}
+assert set(_CLASSES) == set(EXPECTED)
+globals().update({name: _factory(cls) for name, cls in _CLASSES.items()})
