@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.conformance.scalers import BUILTINS, known_bug, resolve
+from tests.conformance.scalers import BUILTINS, known_bug, racy, resolve
 
 
 def _specs(config):
@@ -25,6 +25,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "scaler" not in params:
+            continue
+        timing = racy(params["scaler"], item.originalname, params)
+        if timing:
+            item.add_marker(pytest.mark.skip(reason=timing))
             continue
         reason = known_bug(params["scaler"], item.originalname, params, cuda)
         if reason:

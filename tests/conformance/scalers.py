@@ -145,6 +145,10 @@ KNOWN_BUGS = [
          "result away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip",
          when=lambda params, cuda: params.get("placement") in ("cpu", "offload", "cpu_loss")
          and params.get("bad_ranks") != (0, 1)),
+    _bug({"fairscale_sharded"}, {"test_two_optimizers_skip_independently_back_off_once"},
+         "FINDINGS bug 3: fairscale _amp_update_scale_cpu_ backs off only if found_inf == 1.0; two optimizers "
+         "that both saw inf sum to 2.0 and the scale grows instead",
+         when=_where(placement=CPU_SCALE, bad_opts=[(0, 1)])),
     _bug({"fairscale_sharded"}, {"test_each_optimizer_agrees_across_ranks"},
          "FINDINGS bug 1: fairscale never agrees on a CPU found_inf across ranks",
          when=_where(placement=("cpu", "offload", "cpu_loss"))),
@@ -179,6 +183,23 @@ KNOWN_BUGS = [
          when=lambda params, cuda: params.get("placement") in CPU_GRADS_CUDA_SCALE
          and not (params.get("bad") and params.get("world_size") == 1)),
 ]
+
+
+# FINDINGS bug 2 makes these built-ins' results timing-dependent wherever CPU grads meet a CUDA
+# scale (or CUDA grads a CPU scale): even with an idle GPU they sometimes lose the async-copy race.
+# Their outcome there can be neither passed nor strictly xfailed, so those cells are skipped for
+# them and the race is checked deterministically, with the GPU kept busy, in test_busy_gpu.py.
+RACY_SCALERS = {"torch_amp", "torch_sharded", "fairscale_sharded"}
+RACY_PLACEMENTS = ("offload", "mixed", "mixed_cpu_scale")
+RACE_FREE_TESTS = {BUSY, "test_scale_multiplies_tensors_and_keeps_structure", "test_disabled_scaler_is_a_pass_through"}
+
+
+def racy(spec: str, test_name: str, params: dict) -> str | None:
+    if spec in RACY_SCALERS and params.get("placement") in RACY_PLACEMENTS and test_name not in RACE_FREE_TESTS:
+        return (f"{spec} on placement {params['placement']!r} is timing-dependent (FINDINGS bug 2: non_blocking "
+                f"CPU copies of inv_scale/found_inf used before they land); checked deterministically in "
+                f"test_busy_gpu.py")
+    return None
 
 
 def known_bug(spec: str, test_name: str, params: dict, cuda: bool) -> str | None:

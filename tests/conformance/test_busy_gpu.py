@@ -31,9 +31,10 @@ def keep_gpu_busy(matmuls: int = 24, n: int = 4096) -> None:
 def _busy_trials(spec, placement, bad, trials):
     rank = dist.get_rank()
     out = []
-    for _ in range(trials):
+    for t in range(trials):
         pb = Problem(placement, seed_offset=rank, numel=4096)
-        s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0)
+        # a new scale every trial: a stale pinned CPU copy left by the previous trial is always wrong
+        s = make_scaler(spec, device=pb.scaler_device, init_scale=2.0 ** (4 + t % 8))
         opt = sgd(pb.params)
         before = pb.snapshot()
         pb.backward(s, inject={0: math.inf} if bad and rank == 0 else None)
@@ -41,6 +42,7 @@ def _busy_trials(spec, placement, bad, trials):
         s.step(opt)
         s.update()
         out.append(dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale(),
+                        init_scale=2.0 ** (4 + t % 8),
                         grads_exact=equal_lists(pb.grads(), [c.cpu() for c in pb.targets])))
     return out
 
@@ -56,7 +58,7 @@ def test_busy_gpu_cpu_grads_are_unscaled_and_checked(scaler, placement, bad, wor
             where = f"rank {rank}, trial {t}"
             if bad:
                 assert not trial["stepped"], f"{where}: the inf was missed and the step applied"
-                assert trial["scale"] == 128.0, f"{where}: scale {trial['scale']} did not back off"
+                assert trial["scale"] == trial["init_scale"] / 2, f"{where}: scale {trial['scale']} did not back off"
             else:
                 assert trial["grads_exact"], f"{where}: CPU grads were not unscaled exactly (zeroed?)"
-                assert trial["stepped"] and trial["scale"] == 256.0, f"{where}: a clean step was skipped"
+                assert trial["stepped"] and trial["scale"] == trial["init_scale"], f"{where}: a clean step was skipped"
