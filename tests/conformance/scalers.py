@@ -88,11 +88,12 @@ class KnownBug:
     tests: frozenset | None  # test function names; None: every test that builds an enabled scaler
     reason: str
     when: Callable = field(default=lambda params, cuda: True)  # params: the item's callspec.params
+    beats_race: bool = False  # deterministic even where the built-in's results are timing-dependent
 
 
-def _bug(scalers, tests, reason, when=None):
+def _bug(scalers, tests, reason, when=None, beats_race=False):
     return KnownBug(frozenset(scalers), tests if tests is None else frozenset(tests), reason,
-                    when or (lambda params, cuda: True))
+                    when or (lambda params, cuda: True), beats_race)
 
 
 EVERY_TEST = None  # KnownBug.tests: every test that builds an enabled scaler
@@ -172,7 +173,7 @@ KNOWN_BUGS = [
     _bug({"torch_sharded"}, {"test_rank_without_grads_takes_part"},
          "torch ShardedGradScaler issues one all_reduce per device holding grads: a rank with grads on CPU and "
          "CUDA makes two collectives, a rank without grads one, and the group hangs",
-         when=_where(placement="mixed")),
+         when=_where(placement="mixed"), beats_race=True),
     _bug({"torch_amp", "torch_sharded"}, {BUSY},
          "FINDINGS bug 2: inv_scale/found_inf are copied to CPU with non_blocking=True and used before the "
          "copy lands while the GPU is busy: CPU grads are zeroed or an inf is missed. Bites real loops that "
@@ -202,11 +203,11 @@ def racy(spec: str, test_name: str, params: dict) -> str | None:
     return None
 
 
-def known_bug(spec: str, test_name: str, params: dict, cuda: bool) -> str | None:
+def known_bug(spec: str, test_name: str, params: dict, cuda: bool) -> KnownBug | None:
     if spec not in BUILTINS:
         return None
     for bug in KNOWN_BUGS:
         in_tests = test_name not in ENABLED_FREE_TESTS if bug.tests is None else test_name in bug.tests
         if spec in bug.scalers and in_tests and bug.when(params, cuda):
-            return bug.reason
+            return bug
     return None
