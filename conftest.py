@@ -1,5 +1,4 @@
 """Suite-wide options: the rank harness engine, its timeout, and the scalers under test."""
-import pytest
 
 from tests.harness import ranks
 

@@ -105,7 +105,6 @@ def main():
     collectives["n"] = 0
     scaler_unscale(ours, params)()
     print(f"  ours, per unscale_: {collectives['n']} collective(s), 0 device syncs (CPU only)")
-    del params, grads
 
     if torch.cuda.is_available():
         cparams = make_grads(args.numel, args.tensors, "cuda")

@@ -5,6 +5,7 @@ one with `--scaler tests.conformance.mutants:<name>`; test_mutants.py runs them 
 that the tests named in EXPECTED fail (and that every mutant fails something).
 """
 import math
+import re
 
 import torch
 
@@ -394,24 +395,7 @@ EXPECTED = {
     "agrees_for_first_optimizer_only": ["test_each_optimizer_agrees_across_ranks"],
 }
 
-_CLASSES = {
-    "no_agreement": NoAgreement, "world_group": WorldGroup, "backoff_only_if_exactly_one": BackoffOnlyIfExactlyOne,
-    "grows_one_step_late": GrowsOneStepLate, "tracker_not_reset_on_backoff": TrackerNotResetOnBackoff,
-    "state_dict_forgets_tracker": StateDictForgetsTracker, "unscales_twice": UnscalesTwice,
-    "misses_nan": MissesNaN, "misses_negative_inf": MissesNegativeInf, "checks_first_grad_only": ChecksFirstGradOnly,
-    "skips_low_precision_check": SkipsLowPrecisionCheck, "leaves_half_grads_scaled": LeavesHalfGradsScaled,
-    "steps_on_inf": StepsOnInf, "hardcoded_growth_factor": HardcodedGrowthFactor,
-    "backoff_is_inverse_growth": BackoffIsInverseGrowth, "grows_to_inf": GrowsToInf,
-    "stale_scale_after_backoff": StaleScaleAfterBackoff, "ignores_sparse_grads": IgnoresSparseGrads,
-    "allows_step_twice": AllowsStepTwice, "allows_unscale_twice": AllowsUnscaleTwice,
-    "disabled_still_scales": DisabledStillScales, "backs_off_per_optimizer": BacksOffPerOptimizer,
-    "one_inf_skips_every_optimizer": OneInfSkipsEveryOptimizer, "ignores_new_scale": IgnoresNewScale,
-    "skips_collective_without_grads": SkipsCollectiveWithoutGrads, "drops_step_return_value": DropsStepReturnValue,
-    "drops_step_arguments": DropsStepArguments, "setters_ignored": SettersIgnored, "no_init_check": NoInitCheck,
-    "empty_state_dict_accepted": EmptyStateDictAccepted, "scale_loses_structure": ScaleLosesStructure,
-    "init_scale_ignored": InitScaleIgnored, "first_param_group_only": FirstParamGroupOnly,
-    "scales_only_first_output": ScalesOnlyFirstOutput, "agrees_only_in_step": AgreesOnlyInStep,
-    "agrees_for_first_optimizer_only": AgreesForFirstOptimizerOnly,
-}
+_CLASSES = {re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower().replace("na_n", "nan"): cls
+            for cls in DeviceSplitGradScaler.__subclasses__() if cls.__module__ == __name__}
 assert set(_CLASSES) == set(EXPECTED)
 globals().update({name: _factory(cls) for name, cls in _CLASSES.items()})

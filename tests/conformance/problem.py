@@ -90,6 +90,18 @@ class Problem:
         return [p.grad.detach().cpu().clone() for p in self.params]
 
 
+def run_steps(scaler, problem, opt, pattern, bad_index=0) -> list[float]:
+    """One backward/step/update per entry of pattern (truthy: inf in grad bad_index); scale after each."""
+    scales = []
+    for bad in pattern:
+        problem.zero_grad()
+        problem.backward(scaler, inject={bad_index: math.inf} if bad else None)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
 def sgd(params, **kw):
     return torch.optim.SGD(params, lr=kw.pop("lr", 0.5), momentum=kw.pop("momentum", 0.9), **kw)
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conformance.problem import (INF_VALUES, Problem, equal_lists, harness_device, placement_params,
-                                       reference_scales, sgd)
+                                       reference_scales, run_steps, sgd)
 from tests.conformance.scalers import make_scaler
 from tests.harness import RankHung, run_on_ranks
 
@@ -65,14 +65,7 @@ def _lockstep(spec, placement, pattern):
     s = make_scaler(spec, device=pb.scaler_device, init_scale=512.0, growth_factor=2.0, backoff_factor=0.5,
                     growth_interval=2)
     opt = sgd(pb.params, lr=0.0)
-    scales = []
-    for bad_ranks in pattern:
-        pb.zero_grad()
-        pb.backward(s, inject={rank % 3: math.inf} if rank in bad_ranks else None)
-        s.step(opt)
-        s.update()
-        scales.append(s.get_scale())
-    return scales
+    return run_steps(s, pb, opt, [rank in bad_ranks for bad_ranks in pattern], bad_index=rank % 3)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conformance.problem import (DTYPES, INF_VALUES, Problem, equal_lists, harness_device,
-                                       placement_params, reference_scales, reference_sgd_run, sgd)
+                                       placement_params, reference_scales, reference_sgd_run, run_steps, sgd)
 from tests.conformance.scalers import make_scaler
 from tests.harness import run_on_ranks
 
@@ -208,14 +208,7 @@ def _trajectory(spec, placement, init_scale, growth_factor, backoff_factor, grow
     s = build(spec, pb, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
               growth_interval=growth_interval)
     opt = sgd(pb.params, lr=0.0)  # lr 0: params stay put, so grads never overflow by themselves
-    scales = []
-    for bad in pattern:
-        pb.zero_grad()
-        pb.backward(s, inject={1: math.inf} if bad else None)
-        s.step(opt)
-        s.update()
-        scales.append(s.get_scale())
-    return scales
+    return run_steps(s, pb, opt, pattern, bad_index=1)
 
 
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS)
@@ -243,16 +236,7 @@ def test_growth_never_overflows_to_inf(scaler, placement):
 # ------------------------------------------------------------------ state_dict
 
 def _resume(spec, placement, pattern, split):
-    def train(s, pb, opt, steps):
-        scales = []
-        for bad in steps:
-            pb.zero_grad()
-            pb.backward(s, inject={0: math.inf} if bad else None)
-            s.step(opt)
-            s.update()
-            scales.append(s.get_scale())
-        return scales
-
+    train = run_steps
     kw = dict(init_scale=64.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     pb = Problem(placement)
     whole = build(spec, pb, **kw)
