@@ -30,18 +30,22 @@ def make_grads(numel, tensors, device):
     return params
 
 
-def best_seconds(fn, repeats, device):
-    fn()  # warm-up
-    times = []
+def best_seconds(fns: dict, repeats, device) -> dict:
+    """Best time of each fn, measured in interleaved rounds so that drift in the machine's
+    bandwidth (2 shared cores) hits the baseline and the candidates alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    best = {name: float("inf") for name in fns}
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name, fn in fns.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def scaler_unscale(scaler, params):
@@ -65,7 +69,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=50_000_000)
     ap.add_argument("--tensors", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     store = tempfile.mktemp(prefix="bench-store-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -82,26 +86,25 @@ def main():
     nbytes = 2 * sum(g.numel() * g.element_size() for g in grads)  # read + write
     print(f"CPU: {args.numel / 1e6:.0f}M fp32 grads in {args.tensors} tensors, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
-    ceiling = gbps(nbytes, best_seconds(lambda: torch._foreach_mul_(grads, 1.0), args.repeats, "cpu"))
-    print(f"  in-place ceiling (_foreach_mul_ 1.0): {ceiling:6.1f} GB/s")
-    ours = DeviceSplitGradScaler(device="cpu")
-    ours_gbps = gbps(nbytes, best_seconds(scaler_unscale(ours, params), args.repeats, "cpu"))
-    print(f"  ours:                                 {ours_gbps:6.1f} GB/s  ({ours_gbps / ceiling:.2f} of ceiling)")
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    sharded = ShardedGradScaler(device="cpu")
-    sharded_gbps = gbps(nbytes, best_seconds(scaler_unscale(sharded, params), args.repeats, "cpu"))
-    print(f"  torch_sharded (device=cpu):           {sharded_gbps:6.1f} GB/s  ({sharded_gbps / ceiling:.2f})")
+    ours = DeviceSplitGradScaler(device="cpu")
+    fns = {"inplace": lambda: torch._foreach_mul_(grads, 1.0), "ours": scaler_unscale(ours, params),
+           "torch_sharded": scaler_unscale(ShardedGradScaler(device="cpu"), params)}
     try:
         from fairscale.optim.grad_scaler import ShardedGradScaler as FairscaleScaler
         loop = FairscaleScaler._foreach_non_finite_check_and_unscale_cpu_
-
-        def fairscale_loop():
-            loop(None, grads, torch.zeros(1), torch.full((1,), 1.0))
-        loop_gbps = gbps(nbytes, best_seconds(fairscale_loop, args.repeats, "cpu"))
-        print(f"  fairscale per-tensor loop:            {loop_gbps:6.1f} GB/s  "
-              f"(ours is {ours_gbps / loop_gbps:.1f}x)")
+        fns["fairscale_loop"] = lambda: loop(None, grads, torch.zeros(1), torch.full((1,), 1.0))
     except ImportError:
         print("  fairscale not installed: per-tensor loop skipped")
+    rate = {name: gbps(nbytes, t) for name, t in best_seconds(fns, args.repeats, "cpu").items()}
+    ceiling, ours_gbps = rate["inplace"], rate["ours"]
+    print(f"  in-place ceiling (_foreach_mul_ 1.0): {ceiling:6.1f} GB/s")
+    print(f"  ours:                                 {ours_gbps:6.1f} GB/s  ({ours_gbps / ceiling:.2f} of ceiling)")
+    print(f"  torch_sharded (device=cpu):           {rate['torch_sharded']:6.1f} GB/s  "
+          f"({rate['torch_sharded'] / ceiling:.2f})")
+    if "fairscale_loop" in rate:
+        print(f"  fairscale per-tensor loop:            {rate['fairscale_loop']:6.1f} GB/s  "
+              f"(ours is {ours_gbps / rate['fairscale_loop']:.1f}x)")
     collectives["n"] = 0
     scaler_unscale(ours, params)()
     print(f"  ours, per unscale_: {collectives['n']} collective(s), 0 device syncs (CPU only)")
@@ -110,15 +113,15 @@ def main():
         cparams = make_grads(args.numel, args.tensors, "cuda")
         cgrads = [p.grad for p in cparams]
         print(f"CUDA ({torch.cuda.get_device_name()}):")
-        cceil = gbps(nbytes, best_seconds(lambda: torch._foreach_mul_(cgrads, 1.0), args.repeats, "cuda"))
+        crate = {name: gbps(nbytes, t) for name, t in best_seconds(
+            {"inplace": lambda: torch._foreach_mul_(cgrads, 1.0),
+             "ours": scaler_unscale(DeviceSplitGradScaler(device="cuda"), cparams),
+             "torch_sharded": scaler_unscale(ShardedGradScaler(device="cuda"), cparams)}, args.repeats, "cuda").items()}
+        cceil = crate["inplace"]
         print(f"  in-place ceiling (_foreach_mul_ 1.0): {cceil:7.1f} GB/s")
-        ours_cuda = DeviceSplitGradScaler(device="cuda")
-        run = scaler_unscale(ours_cuda, cparams)
-        c_ours = gbps(nbytes, best_seconds(run, args.repeats, "cuda"))
-        print(f"  ours:                                 {c_ours:7.1f} GB/s  ({c_ours / cceil:.2f} of ceiling)")
-        sharded_cuda = ShardedGradScaler(device="cuda")
-        c_sh = gbps(nbytes, best_seconds(scaler_unscale(sharded_cuda, cparams), args.repeats, "cuda"))
-        print(f"  torch_sharded:                        {c_sh:7.1f} GB/s  ({c_sh / cceil:.2f})")
+        print(f"  ours:                                 {crate['ours']:7.1f} GB/s  ({crate['ours'] / cceil:.2f} of ceiling)")
+        print(f"  torch_sharded:                        {crate['torch_sharded']:7.1f} GB/s  "
+              f"({crate['torch_sharded'] / cceil:.2f})")
         for label, placement in (("CUDA grads", cparams), ("CPU grads, CUDA scale", make_grads(1000, 4, "cpu"))):
             scaler = DeviceSplitGradScaler(device="cuda")
             opt = torch.optim.SGD(placement, lr=0.0)
