@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.conformance.scalers import BUILTINS, known_bug, racy, resolve
+from tests.conformance.scalers import BUILTINS, known_bug, resolve, skip_reason
 
 
 def _specs(config):
@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
         if "scaler" not in params:
             continue
         bug = known_bug(params["scaler"], item.originalname, params, cuda)
-        timing = racy(params["scaler"], item.originalname, params)
+        timing = skip_reason(params["scaler"], item.originalname, params)
         if timing and not (bug and bug.beats_race):
             item.add_marker(pytest.mark.skip(reason=timing))
         elif bug:

@@ -92,6 +92,29 @@ def _observe_global_state():
     return torch.is_grad_enabled(), torch.get_default_dtype(), torch.rand(1)
 
 
+class _Leftover:
+    pass
+
+
+_LEFTOVER_REFS = []  # weak references that outlive a task inside the rank process
+
+
+def _leave_garbage_cycle_in_old_generation():
+    import gc
+
+    import weakref
+
+    a, b = _Leftover(), _Leftover()
+    a.other, b.other = b, a
+    _LEFTOVER_REFS[:] = [weakref.ref(a), weakref.ref(b)]
+    gc.collect()  # the cycle survives while referenced: it now sits in the oldest generation
+    return None   # unreferenced from here on: only a full collection frees it
+
+
+def _count_leftovers():
+    return sum(ref() is not None for ref in _LEFTOVER_REFS)
+
+
 def _shared_gpu_all_reduce():
     t = torch.ones(2, device=rank_device()) * (dist.get_rank() + 1)
     dist.all_reduce(t)
@@ -128,6 +151,11 @@ def test_each_task_starts_from_clean_global_state():
     # seeds are reset per task: two tasks draw the same "random" numbers
     again = run_on_ranks(_observe_global_state, world_size=2)
     assert torch.equal(again[0][2], run_on_ranks(_observe_global_state, world_size=2)[0][2])
+
+
+def test_objects_left_by_a_task_are_gone_before_the_next():
+    run_on_ranks(_leave_garbage_cycle_in_old_generation, world_size=2)
+    assert run_on_ranks(_count_leftovers, world_size=2) == [0, 0]
 
 
 def test_same_case_twice_is_bit_identical():
