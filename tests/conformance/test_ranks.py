@@ -164,3 +164,13 @@ def test_unmatched_step_surfaces_as_a_hang_in_bounded_time(scaler, placement):
     run2(_warm_up, placement=placement)  # imports done, so the short timeout below times only the body
     with pytest.raises(RankHung, match="rank"):
         run2(_only_rank0_steps, scaler, placement, placement=placement, timeout=15)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("bad_ranks", [(1,), (0, 1)], ids=["rank1", "both"])
+@pytest.mark.parametrize("placement", placement_params(["cuda", "offload"]))
+def test_inf_on_some_ranks_over_nccl(scaler, placement, bad_ranks):
+    """The same agreement over NCCL, one GPU per rank: the found_inf collective must be a CUDA tensor."""
+    out = run_on_ranks(_one_step, scaler, placement, bad_ranks, "inf", world_size=2, device="cuda", timeout=60)
+    assert [o["stepped"] for o in out] == [False, False]
+    assert [o["scale"] for o in out] == [64.0, 64.0]

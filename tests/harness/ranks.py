@@ -452,6 +452,11 @@ def _rank_main(rank, world_size, backend, device, gpus, store_path, tasks, resul
     import torch
     import torch.distributed as dist
 
+    if "OMP_NUM_THREADS" not in os.environ:
+        # every worker's every rank at the default thread count oversubscribes the cores, and
+        # spinning OpenMP threads can then stall a tiny step for seconds
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world_size * workers)))
     if device == "cpu":
         _rank_device = torch.device("cpu")
     else:
