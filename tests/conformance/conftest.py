@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
         if "scaler" not in params:
             continue
         bug = known_bug(params["scaler"], item.originalname, params, cuda)
-        timing = skip_reason(params["scaler"], item.originalname, params)
+        timing = skip_reason(params["scaler"], item.originalname, params, cuda)
         if timing and not (bug and bug.beats_race):
             item.add_marker(pytest.mark.skip(reason=timing))
         elif bug:
