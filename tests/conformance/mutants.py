@@ -4,6 +4,7 @@ Each is `ours` with a single clause of the contract broken, the kind of bug seen
 one with `--scaler tests.conformance.mutants:<name>`; test_mutants.py runs them all and checks
 that the tests named in EXPECTED fail (and that every mutant fails something).
 """
+import contextlib
 import math
 import re
 
@@ -174,36 +175,31 @@ class StaleScaleAfterBackoff(DeviceSplitGradScaler):
         self._scale = _f32(value)  # the per-device tensor cache is not invalidated
 
 
+@contextlib.contextmanager
+def _hidden_grads(optimizer, hide):
+    """Set aside the grads for which hide(grad) is true, as if those params had none."""
+    hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None and hide(p.grad)]
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in hidden:
+            p.grad = grad
+
+
 class IgnoresSparseGrads(DeviceSplitGradScaler):
     def _unscale_grads_(self, optimizer):
-        hidden = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.grad.is_sparse:
-                    hidden.append((p, p.grad))
-                    p.grad = None
-        try:
+        with _hidden_grads(optimizer, lambda grad: grad.is_sparse):
             return super()._unscale_grads_(optimizer)
-        finally:
-            for p, g in hidden:
-                p.grad = g
 
 
 class IgnoresDTensorGrads(DeviceSplitGradScaler):
     """FSDP2's DTensor grads are neither unscaled nor checked."""
 
     def _unscale_grads_(self, optimizer):
-        hidden = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and type(p.grad).__name__ == "DTensor":
-                    hidden.append((p, p.grad))
-                    p.grad = None
-        try:
+        with _hidden_grads(optimizer, lambda grad: type(grad).__name__ == "DTensor"):
             return super()._unscale_grads_(optimizer)
-        finally:
-            for p, g in hidden:
-                p.grad = g
 
 
 class AllowsStepTwice(DeviceSplitGradScaler):
