@@ -24,3 +24,43 @@ def fsdp_mlp_three_steps(seed: int = 0):
         scaler.update()
         losses.append(loss.detach())
     return torch.stack(losses)
+
+
+def count_syncs_and_collectives(placement: str):
+    """One scaler step on this rank; returns (host syncs, collectives) it cost.
+
+    placement: "cpu" (CPU grads), "cuda" (CUDA grads), "mixed" (grads on both, CUDA scale).
+    Host syncs are counted by torch.cuda's sync debug mode (it warns on each one).
+    """
+    import warnings
+
+    from scaler_impl import DeviceSplitGradScaler
+
+    devices = {"cpu": ["cpu"], "cuda": ["cuda"], "mixed": ["cpu", "cuda"]}[placement]
+    params = [torch.randn(1000, device=devices[i % len(devices)], requires_grad=True) for i in range(4)]
+    scaler = DeviceSplitGradScaler(device="cuda" if "cuda" in devices else "cpu")
+    opt = torch.optim.SGD(params, lr=0.1)
+    loss_device = "cuda" if "cuda" in devices else "cpu"
+    scaler.scale(sum((p.to(loss_device) ** 2).sum() for p in params)).backward()
+    calls = {"n": 0}
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+    dist.all_reduce = counting
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+            scaler.update()
+    finally:
+        dist.all_reduce = real
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) and "prototype" not in str(w.message) for w in caught)
+    return syncs, calls["n"]

@@ -13,13 +13,14 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.cases import count_syncs_and_collectives  # noqa: E402
 from scaler_impl import DeviceSplitGradScaler  # noqa: E402
+from tests.harness import run_on_ranks, shutdown_pools  # noqa: E402
 
 
 def make_grads(numel, tensors, device):
@@ -73,14 +74,6 @@ def main():
     args = ap.parse_args()
     store = tempfile.mktemp(prefix="bench-store-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    collectives = {"n": 0}
-    real_all_reduce = dist.all_reduce
-
-    def counting_all_reduce(*a, **k):
-        collectives["n"] += 1
-        return real_all_reduce(*a, **k)
-    dist.all_reduce = counting_all_reduce
-
     params = make_grads(args.numel, args.tensors, "cpu")
     grads = [p.grad for p in params]
     nbytes = 2 * sum(g.numel() * g.element_size() for g in grads)  # read + write
@@ -105,9 +98,8 @@ def main():
     if "fairscale_loop" in rate:
         print(f"  fairscale per-tensor loop:            {rate['fairscale_loop']:6.1f} GB/s  "
               f"(ours is {ours_gbps / rate['fairscale_loop']:.1f}x)")
-    collectives["n"] = 0
-    scaler_unscale(ours, params)()
-    print(f"  ours, per unscale_: {collectives['n']} collective(s), 0 device syncs (CPU only)")
+    syncs, colls = run_on_ranks(count_syncs_and_collectives, "cpu", world_size=2)[0]
+    print(f"  ours, one step on 2 gloo ranks (CPU grads): {colls} collective(s), {syncs} host sync(s)")
 
     if torch.cuda.is_available():
         cparams = make_grads(args.numel, args.tensors, "cuda")
@@ -122,23 +114,14 @@ def main():
         print(f"  ours:                                 {crate['ours']:7.1f} GB/s  ({crate['ours'] / cceil:.2f} of ceiling)")
         print(f"  torch_sharded:                        {crate['torch_sharded']:7.1f} GB/s  "
               f"({crate['torch_sharded'] / cceil:.2f})")
-        for label, placement in (("CUDA grads", cparams), ("CPU grads, CUDA scale", make_grads(1000, 4, "cpu"))):
-            scaler = DeviceSplitGradScaler(device="cuda")
-            opt = torch.optim.SGD(placement, lr=0.0)
-            scaler.scale(torch.ones((), device="cuda"))
-            torch.cuda.synchronize()
-            collectives["n"] = 0
-            torch.cuda.set_sync_debug_mode("warn")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                scaler.step(opt)
-                scaler.update()
-            torch.cuda.set_sync_debug_mode("default")
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
-            print(f"  ours, one step ({label}): {syncs} host sync(s), {collectives['n']} collective(s)")
+        for placement in ("cuda", "mixed"):
+            syncs, colls = run_on_ranks(count_syncs_and_collectives, placement, world_size=2, device="cuda-shared")[0]
+            print(f"  ours, one step on 2 gloo ranks sharing the GPU ({placement} grads): {syncs} host sync(s), "
+                  f"{colls} collective(s)")
     else:
         print("CUDA: not available, skipped")
     dist.destroy_process_group()
+    shutdown_pools()
     print(f"cpu_unscale_vs_inplace={ours_gbps / ceiling:.3f}")
 
 

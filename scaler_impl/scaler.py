@@ -182,7 +182,8 @@ class DeviceSplitGradScaler:
     def _agree(self, found: dict[torch.device, torch.Tensor]) -> float:
         """Sum found_inf over devices and ranks with one collective; return it on the host."""
         group = self.process_group
-        distributed = dist.is_available() and dist.is_initialized()
+        # a group of one rank has nothing to agree on (and a gloo round trip costs ~0.5 ms)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         cpu_total = sum((t.item() for d, t in found.items() if d.type == "cpu"), 0.0)  # host values
         on_device = [t for d, t in found.items() if d.type != "cpu"]
         device_total = None
