@@ -22,8 +22,9 @@ are unscaled through their local shard.
 
 *One collective, one host sync per optimizer step.* The per-device found_inf values are summed
 into one float32 tensor on the device the process group's backend accepts (CPU for gloo, the
-current CUDA device for NCCL) and all-reduced once on ``process_group`` (WORLD when None), also
-on a rank that holds no grads, so every rank takes the same step/skip decision. The single
+current CUDA device for NCCL) and all-reduced once on ``process_group`` (WORLD when None; no
+collective for a group of one rank), also on a rank that holds no grads, so every rank takes the
+same step/skip decision. The single
 host synchronisation is the blocking read of that agreed value: for gloo (or no process group)
 it is the ``.cpu()`` of the CUDA found_inf sum before the CPU all-reduce; for NCCL it is the
 ``.item()`` after the all-reduce. With only CPU grads and gloo there is no device sync at all.
