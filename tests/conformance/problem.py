@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from tests.conformance.scalers import make_scaler
+
 # placement -> where the scaler's device, the params (hence grads) and the loss live
 PLACEMENTS = {
     "cpu": dict(scaler="cpu", params=("cpu",), loss="cpu"),
@@ -100,6 +102,11 @@ def run_steps(scaler, problem, opt, pattern, bad_index=0) -> list[float]:
         scaler.update()
         scales.append(scaler.get_scale())
     return scales
+
+
+def build_scaler(spec: str, problem: "Problem", **kw):
+    """The scaler under test, on the device the problem's placement puts the scaler on."""
+    return make_scaler(spec, device=problem.scaler_device, **kw)
 
 
 def sgd(params, **kw):

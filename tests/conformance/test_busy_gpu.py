@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import Problem, equal_lists, harness_device, placement_params, sgd
-from tests.conformance.scalers import make_scaler
+from tests.conformance.problem import Problem, build_scaler, equal_lists, harness_device, placement_params, sgd
 from tests.harness import run_on_ranks
 
 pytestmark = [pytest.mark.conformance, pytest.mark.gpu]
@@ -34,7 +33,8 @@ def _busy_trials(spec, placement, bad, trials):
     for t in range(trials):
         pb = Problem(placement, seed_offset=rank, numel=4096)
         # a new scale every trial: a stale pinned CPU copy left by the previous trial is always wrong
-        s = make_scaler(spec, device=pb.scaler_device, init_scale=2.0 ** (4 + t % 8))
+        init_scale = 2.0 ** (4 + t % 8)
+        s = build_scaler(spec, pb, init_scale=init_scale)
         opt = sgd(pb.params)
         before = pb.snapshot()
         pb.backward(s, inject={0: math.inf} if bad and rank == 0 else None)
@@ -42,7 +42,7 @@ def _busy_trials(spec, placement, bad, trials):
         s.step(opt)
         s.update()
         out.append(dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale(),
-                        init_scale=2.0 ** (4 + t % 8),
+                        init_scale=init_scale,
                         grads_exact=equal_lists(pb.grads(), [c.cpu() for c in pb.targets])))
     return out
 

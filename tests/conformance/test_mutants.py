@@ -44,7 +44,7 @@ def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mutants")
     specs = ["ours"] + [f"tests.conformance.mutants:{name}" for name in EXPECTED]
     result = _child_run(tmp / "all.xml", specs, f"not {HANG_TEST}")
-    # the hang check costs its 5 s timeout per scaler: run it only where a mutant expects it
+    # the hang check costs its 15 s timeout per scaler: run it only where a mutant expects it
     hang_specs = ["ours"] + [f"tests.conformance.mutants:{n}" for n, tests in EXPECTED.items() if HANG_TEST in tests]
     result.update(_child_run(tmp / "hang.xml", hang_specs, HANG_TEST))
     return result

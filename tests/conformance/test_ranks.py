@@ -9,9 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import (INF_VALUES, Problem, equal_lists, harness_device, placement_params,
+from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_lists, harness_device, placement_params,
                                        reference_scales, run_steps, sgd)
-from tests.conformance.scalers import make_scaler
 from tests.harness import RankHung, run_on_ranks
 
 pytestmark = pytest.mark.conformance
@@ -26,7 +25,7 @@ def run2(body, *args, placement="cpu", timeout=60):
 def _one_step(spec, placement, bad_ranks, value, explicit_unscale=False):
     rank = dist.get_rank()
     pb = Problem(placement, seed_offset=rank)  # a different shard on every rank
-    s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0, backoff_factor=0.25)
+    s = build_scaler(spec, pb, init_scale=256.0, backoff_factor=0.25)
     opt = sgd(pb.params)
     before = pb.snapshot()
     pb.backward(s, inject={1: INF_VALUES[value]} if rank in bad_ranks else None)
@@ -62,7 +61,7 @@ def test_clean_ranks_all_step_and_keep_their_scale(scaler, placement):
 def _lockstep(spec, placement, pattern):
     rank = dist.get_rank()
     pb = Problem(placement, seed_offset=rank)
-    s = make_scaler(spec, device=pb.scaler_device, init_scale=512.0, growth_factor=2.0, backoff_factor=0.5,
+    s = build_scaler(spec, pb, init_scale=512.0, growth_factor=2.0, backoff_factor=0.5,
                     growth_interval=2)
     opt = sgd(pb.params, lr=0.0)
     return run_steps(s, pb, opt, [rank in bad_ranks for bad_ranks in pattern], bad_index=rank % 3)
@@ -80,7 +79,7 @@ def test_ranks_keep_scale_in_lockstep(scaler, placement):
 def _two_optimizers_on_ranks(spec, placement):
     rank = dist.get_rank()
     pb = Problem(placement, n_params=2, seed_offset=rank)
-    s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0)
+    s = build_scaler(spec, pb, init_scale=256.0)
     opt_a, opt_b = sgd([pb.params[0]]), sgd([pb.params[1]])
     before = pb.snapshot()
     pb.backward(s, inject={1: math.inf} if rank == 1 else None)  # only optimizer b, only on rank 1
@@ -100,7 +99,7 @@ def test_each_optimizer_agrees_across_ranks(scaler, placement):
 def _without_grads(spec, placement, bad):
     rank = dist.get_rank()
     pb = Problem(placement, seed_offset=rank)
-    s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0)
+    s = build_scaler(spec, pb, init_scale=256.0)
     opt = sgd(pb.params)
     before = pb.snapshot()
     if rank == 0:
@@ -124,7 +123,7 @@ def _own_group(spec, placement):
     rank = dist.get_rank()
     groups = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in order
     pb = Problem(placement, seed_offset=rank)
-    s = make_scaler(spec, device=pb.scaler_device, init_scale=256.0, process_group=groups[rank])
+    s = build_scaler(spec, pb, init_scale=256.0, process_group=groups[rank])
     opt = sgd(pb.params)
     before = pb.snapshot()
     pb.backward(s, inject={0: math.inf} if rank == 1 else None)
@@ -145,7 +144,7 @@ def test_agreement_uses_the_given_process_group(scaler, placement):
 
 def _only_rank0_steps(spec, placement):
     pb = Problem(placement, seed_offset=dist.get_rank())
-    s = make_scaler(spec, device=pb.scaler_device)
+    s = build_scaler(spec, pb)
     opt = sgd(pb.params)
     pb.backward(s)
     if dist.get_rank() == 0:  # a rank that skips the optimizer step: the classic mismatched collective

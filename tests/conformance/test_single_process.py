@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from tests.conformance.problem import (DTYPES, INF_VALUES, Problem, equal_lists, harness_device,
+from tests.conformance.problem import (DTYPES, INF_VALUES, Problem, build_scaler, equal_lists, harness_device,
                                        placement_params, reference_scales, reference_sgd_run, run_steps, sgd)
-from tests.conformance.scalers import make_scaler
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.conformance
@@ -23,15 +22,11 @@ def run1(body, *args, placement="cpu"):
     return run_on_ranks(body, *args, world_size=1, device=harness_device(placement, 1), timeout=60)[0]
 
 
-def build(spec, problem, **kw):
-    return make_scaler(spec, device=problem.scaler_device, **kw)
-
-
 # ------------------------------------------------------------------ settings and scale()
 
 def _settings(spec, placement):
     pb = Problem(placement)
-    s = build(spec, pb, init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+    s = build_scaler(spec, pb, init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
     state = s.state_dict()  # before the first scale(): the constructor's values
     return (s.is_enabled(), s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(),
             s.get_growth_interval(), float(state["scale"]), int(state["_growth_tracker"]))
@@ -44,7 +39,7 @@ def test_enabled_scaler_reports_its_settings(scaler, placement):
 
 def _scale_outputs(spec, placement):
     pb = Problem(placement)
-    s = build(spec, pb, init_scale=512.0)
+    s = build_scaler(spec, pb, init_scale=512.0)
     t = torch.tensor([1.5, -2.0], device=pb.loss_device)
     single = s.scale(t)
     as_list = s.scale([t, t * 2])
@@ -77,7 +72,7 @@ def test_scale_multiplies_tensors_and_keeps_structure(scaler, placement):
 def _clean_steps(spec, placement, dtype, steps):
     args = dict(placement=placement, dtype=dtype)
     pb = Problem(**args)
-    s = build(spec, pb, init_scale=256.0)
+    s = build_scaler(spec, pb, init_scale=256.0)
     opt = sgd(pb.params)
     grads = []
     for _ in range(steps):
@@ -103,7 +98,7 @@ def test_clean_step_unscales_exactly_and_steps(scaler, placement, dtype):
 def _overflow_then_clean(spec, placement, dtype, where, value):
     args = dict(placement=placement, dtype=dtype)
     pb = Problem(**args)
-    s = build(spec, pb, init_scale=256.0, backoff_factor=0.25)
+    s = build_scaler(spec, pb, init_scale=256.0, backoff_factor=0.25)
     opt = sgd(pb.params)
     pb.backward(s)  # step 1: clean, so momentum buffers exist
     s.step(opt)
@@ -144,7 +139,7 @@ def test_inf_or_nan_skips_step_and_backs_off(scaler, placement, dtype, where, va
 
 def _inf_on_two_devices(spec, placement):
     pb = Problem(placement)
-    s = build(spec, pb, init_scale=256.0, backoff_factor=0.25)
+    s = build_scaler(spec, pb, init_scale=256.0, backoff_factor=0.25)
     opt = sgd(pb.params)
     before = pb.snapshot()
     pb.backward(s, inject={0: math.inf, 1: math.nan})  # param 0 on CPU, param 1 on CUDA
@@ -162,7 +157,7 @@ def test_inf_on_two_devices_backs_off_once(scaler, placement):
 def _param_groups(spec, placement, bad):
     pb = Problem(placement)
     frozen = torch.zeros(3, device=pb.params[0].device, requires_grad=True)  # never gets a grad
-    s = build(spec, pb, init_scale=256.0)
+    s = build_scaler(spec, pb, init_scale=256.0)
     opt = torch.optim.SGD([{"params": [pb.params[0]]}, {"params": [pb.params[1], frozen, pb.params[2]], "lr": 0.25}],
                           lr=0.5)
     before = pb.snapshot()
@@ -186,7 +181,7 @@ def test_every_param_group_is_checked(scaler, placement, bad):
 
 def _accumulate(spec, placement, micro_batches):
     pb = Problem(placement)
-    s = build(spec, pb, init_scale=128.0)
+    s = build_scaler(spec, pb, init_scale=128.0)
     opt = sgd(pb.params)
     for _ in range(micro_batches):  # gradient accumulation: several scaled backwards, one step
         pb.backward(s)
@@ -205,7 +200,7 @@ def test_gradient_accumulation_over_several_backwards(scaler, placement):
 
 def _trajectory(spec, placement, init_scale, growth_factor, backoff_factor, growth_interval, pattern):
     pb = Problem(placement)
-    s = build(spec, pb, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+    s = build_scaler(spec, pb, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
               growth_interval=growth_interval)
     opt = sgd(pb.params, lr=0.0)  # lr 0: params stay put, so grads never overflow by themselves
     return run_steps(s, pb, opt, pattern, bad_index=1)
@@ -239,17 +234,17 @@ def _resume(spec, placement, pattern, split):
     train = run_steps
     kw = dict(init_scale=64.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     pb = Problem(placement)
-    whole = build(spec, pb, **kw)
+    whole = build_scaler(spec, pb, **kw)
     opt = sgd(pb.params)
     uninterrupted = train(whole, pb, opt, pattern)
     whole_params = pb.snapshot()
 
     pb = Problem(placement)
-    first = build(spec, pb, **kw)
+    first = build_scaler(spec, pb, **kw)
     opt = sgd(pb.params)
     before = train(first, pb, opt, pattern[:split])
     saved = first.state_dict()
-    second = build(spec, pb, init_scale=2.0**16, growth_interval=2000)  # settings come from the state
+    second = build_scaler(spec, pb, init_scale=2.0**16, growth_interval=2000)  # settings come from the state
     second.load_state_dict(saved)
     after = train(second, pb, opt, pattern[split:])
     return dict(uninterrupted=uninterrupted, resumed=before + after, saved=saved,
@@ -273,7 +268,7 @@ def test_state_dict_round_trip_resumes_identically(scaler, placement):
 def _unscale_clip_step(spec, placement, max_norm):
     args = dict(placement=placement)
     pb = Problem(**args)
-    s = build(spec, pb, init_scale=1024.0)
+    s = build_scaler(spec, pb, init_scale=1024.0)
     opt = sgd(pb.params)
     pb.backward(s)
     s.unscale_(opt)
@@ -299,7 +294,7 @@ def test_unscale_then_clip_then_step_unscales_once(scaler, placement):
 
 def _two_optimizers(spec, placement, bad_opts):
     pb = Problem(placement, n_params=2)
-    s = build(spec, pb, init_scale=256.0)
+    s = build_scaler(spec, pb, init_scale=256.0)
     opt_a, opt_b = sgd([pb.params[0]]), sgd([pb.params[1]])
     before = pb.snapshot()
     pb.backward(s, inject={i: math.inf for i in bad_opts})
@@ -336,7 +331,7 @@ def _sparse(spec, placement, bad):
     ref = torch.nn.Embedding(5, 3, sparse=True).to(dev)
     ref.load_state_dict(emb.state_dict())
     idx = torch.tensor([0, 2, 2, 4], device=dev)  # a repeated index: uncoalesced grad
-    s = build(spec, pb, init_scale=256.0)
+    s = build_scaler(spec, pb, init_scale=256.0)
     opt, ref_opt = torch.optim.SGD(emb.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     s.scale(emb(idx).sum().to(pb.loss_device)).backward()
     if bad:
@@ -368,7 +363,7 @@ def test_sparse_grads(scaler, placement, bad):
 
 def _disabled(spec, placement):
     pb = Problem(placement)
-    s = make_scaler(spec, device=pb.scaler_device, enabled=False)
+    s = build_scaler(spec, pb, enabled=False)
     loss = pb.loss()
     same_object = s.scale(loss) is loss
     opt = sgd(pb.params)
@@ -396,7 +391,7 @@ def test_disabled_scaler_is_a_pass_through(scaler, placement):
 
 def _misuse(spec, placement, case):
     pb = Problem(placement)
-    s = build(spec, pb)
+    s = build_scaler(spec, pb)
     opt = sgd(pb.params)
     try:
         if case == "step before scale":
@@ -462,7 +457,7 @@ def test_misuse_raises_like_torch(scaler, placement, case):
 
 def _new_scale(spec, placement, as_tensor):
     pb = Problem(placement)
-    s = build(spec, pb, init_scale=256.0)
+    s = build_scaler(spec, pb, init_scale=256.0)
     opt = sgd(pb.params)
     pb.backward(s)
     s.step(opt)
@@ -494,7 +489,7 @@ class _RecordingSGD(torch.optim.SGD):
 
 def _forwarding(spec, placement, bad):
     pb = Problem(placement)
-    s = build(spec, pb)
+    s = build_scaler(spec, pb)
     opt = _RecordingSGD(pb.params, lr=0.1)
     pb.backward(s, inject={0: math.inf} if bad else None)
     return s.step(opt, tag="x")
@@ -508,7 +503,7 @@ def test_step_forwards_arguments_and_return_value(scaler, placement):
 
 def _setters(spec, placement):
     pb = Problem(placement)
-    s = build(spec, pb, init_scale=64.0, growth_interval=1000)
+    s = build_scaler(spec, pb, init_scale=64.0, growth_interval=1000)
     s.set_growth_interval(1)
     s.set_growth_factor(8.0)
     s.set_backoff_factor(0.125)
