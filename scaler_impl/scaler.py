@@ -177,8 +177,19 @@ class DeviceSplitGradScaler:
         return found
 
     @staticmethod
-    def _check_and_unscale(grads, found_inf, inv_scale) -> None:
-        _check_and_unscale(grads, found_inf, inv_scale)
+    def _check_and_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        """Fused unscale + inf/NaN check of one (device, dtype) group; unfused where the kernel is missing."""
+        key = (found_inf.device.type, grads[0].dtype)
+        if key not in _FUSED_MISSING:
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+                return
+            except NotImplementedError:  # e.g. bf16 on CUDA (torch 2.11)
+                _FUSED_MISSING.add(key)
+        # check before unscaling, as the fused kernel does: unscaling may itself overflow
+        finite = torch.stack([g.isfinite().all() for g in grads]).all()
+        found_inf.add_(finite.logical_not().float())
+        torch._foreach_mul_(grads, inv_scale)
 
     def _agree(self, found: dict[torch.device, torch.Tensor]) -> float:
         """Sum found_inf over devices and ranks with one collective; return it on the host."""
@@ -315,17 +326,3 @@ def _needs_device_tensor(group) -> bool:
     """NCCL only reduces CUDA tensors; gloo (and mixed cpu:gloo,cuda:nccl groups) take CPU ones."""
     backend = str(dist.get_backend(group))
     return "gloo" not in backend and "mpi" not in backend
-
-
-def _check_and_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    key = (found_inf.device.type, grads[0].dtype)
-    if key not in _FUSED_MISSING:
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            return
-        except NotImplementedError:  # e.g. bf16 on CUDA (torch 2.11)
-            _FUSED_MISSING.add(key)
-    # check before unscaling, as the fused kernel does: unscaling may itself overflow
-    finite = torch.stack([g.isfinite().all() for g in grads]).all()
-    found_inf.add_(finite.logical_not().float())
-    torch._foreach_mul_(grads, inv_scale)

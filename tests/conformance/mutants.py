@@ -10,7 +10,9 @@ import re
 
 import torch
 
-from scaler_impl.scaler import DeviceSplitGradScaler, _check_and_unscale, _f32
+from scaler_impl.scaler import DeviceSplitGradScaler, _f32
+
+_check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
 
 
 class NoAgreement(DeviceSplitGradScaler):

@@ -482,8 +482,7 @@ def _rank_main(rank, world_size, backend, device, gpus, store_path, tasks, resul
         except BaseException:  # noqa: B902 - report everything, including pytest.fail/skip
             message = (task_id, rank, False, traceback.format_exc())
         results.put(message)
-        del task, payload
-        fn = args = kwargs = value = message = None
+        task = payload = fn = args = kwargs = value = message = None  # let _clean_up free them
         _clean_up()  # while the parent checks the result
     dist.destroy_process_group()
     sys.stdout.flush()
