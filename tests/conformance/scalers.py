@@ -108,7 +108,10 @@ CPU_GRADS_CUDA_SCALE = ("offload", "mixed")
 
 
 def _where(**conditions):
-    """when= for KnownBug: every named callspec param is in its allowed values (tuples) or equal."""
+    """when= for KnownBug: every named callspec param is in its allowed values (a tuple/list/set) or equal.
+
+    A tuple-valued param (bad_ranks, bad_opts) must therefore be given as a list of tuples.
+    """
     def when(params, cuda):
         for name, allowed in conditions.items():
             value = params.get(name)
