@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.conformance.scalers import make_scaler
+from tests.scalers import make_scaler
 
 # placement -> where the scaler's device, the params (hence grads) and the loss live
 PLACEMENTS = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.scalers import make_scaler
+from tests.scalers import make_scaler
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.conformance
