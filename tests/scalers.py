@@ -103,19 +103,44 @@ NOT_SHARD_AWARE = {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", 
                    "test_rank_without_grads_takes_part", "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"}
 UNSCALE_TESTS = {"test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_skips_step_and_backs_off"}
 BUSY = "test_busy_gpu_cpu_grads_are_unscaled_and_checked"
+MATRIX = "test_fsdp_matches_ddp"
 CPU_SCALE = ("cpu", "cpu_loss", "mixed_cpu_scale")  # placements where the scale tensor lives on CPU
 CPU_GRADS_CUDA_SCALE = ("offload", "mixed")
 
 
-def _where(**conditions):
-    """when= for KnownBug: every named callspec param is in its allowed values (a tuple/list/set) or equal.
+def cell_placement(cell, cuda: bool) -> str:
+    """A matrix cell in the conformance suite's placement terms (problem.PLACEMENTS)."""
+    if not cuda:
+        return "cpu"
+    if cell.offload != "offload":
+        return "cuda"
+    # fairscale's offload path is the seed's: the loss is moved to the params' device (CPU) first
+    return "cpu_loss" if cell.impl == "fairscale" else "offload"
 
-    A tuple-valued param (bad_ranks, bad_opts) must therefore be given as a list of tuples.
+
+def _param(params: dict, name: str, cuda: bool):
+    """A test's callspec param; for a matrix cell, its axis (or its placement)."""
+    if name in params or "cell" not in params:
+        return params.get(name)
+    if name == "placement":
+        return cell_placement(params["cell"], cuda)
+    return getattr(params["cell"], name)
+
+
+def _where(**conditions):
+    """when= for KnownBug: every named param (or matrix cell axis) is in its allowed values or equal.
+
+    Allowed values are a tuple/list/set, or else one value; a tuple-valued param (bad_ranks,
+    bad_opts) must therefore be given as a list of tuples. world_size accepts a callable too.
     """
     def when(params, cuda):
         for name, allowed in conditions.items():
-            value = params.get(name)
-            if not (value in allowed if isinstance(allowed, (tuple, list, set)) else value == allowed):
+            value = _param(params, name, cuda)
+            if callable(allowed):
+                ok = allowed(value)
+            else:
+                ok = value in allowed if isinstance(allowed, (tuple, list, set)) else value == allowed
+            if not ok:
                 return False
         return True
     return when
@@ -181,6 +206,22 @@ KNOWN_BUGS = [
          "FINDINGS bug 2: inv_scale/found_inf are copied to CPU with non_blocking=True and used before the "
          "copy lands while the GPU is busy: CPU grads are zeroed or an inf is missed. Bites real loops that "
          "queue GPU work between backward and unscale_/step", when=_where(placement=CPU_GRADS_CUDA_SCALE)),
+    # ---- the FSDP-vs-DDP matrix (tests/matrix)
+    _bug({"torch_amp"}, {MATRIX},
+         "torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1 (and fairscale) an inf in one "
+         "rank's grad shard makes only that rank skip and back off. (FSDP2 hides this: DTensor's handler for "
+         "_amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf over the mesh.)",
+         when=_where(world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale"))),
+    _bug({"torch_sharded"}, {MATRIX},
+         "torch ShardedGradScaler + a fused optimizer (AdamW fused=True) after an explicit unscale_ (the clipping "
+         "path): its found_inf has shape [1] and the fused kernel's _foreach_sub_ into the shape-[] step counter "
+         "raises RuntimeError: output with shape [] doesn't match the broadcast shape [1]",
+         when=_where(optimizer="adamw", clip="clip")),
+    _bug({"torch_sharded"}, {MATRIX},
+         "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "
+         "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
+         "ShardedGradScaler.unscale_, so under FSDP1 an inf in one rank's shard makes only that rank skip",
+         when=_where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale"))),
     _bug({"fairscale_sharded"}, {BUSY},
          "FINDINGS bug 2 (fairscale reads inv_scale's non_blocking CPU copy before it lands: CPU grads zeroed) "
          "and, on 2 ranks, bug 1 (CPU found_inf never agreed)",
@@ -205,8 +246,9 @@ def skip_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str | No
     if spec == "fairscale_sharded" and test_name == "test_fsdp2_dtensor_grads_agree_across_ranks":
         # fairscale predates FSDP2; on CPU it disables itself (a strict xfail above)
         return "fairscale_sharded with FSDP2 DTensor grads on a CUDA machine: not yet characterised"
-    if spec in RACY_SCALERS and params.get("placement") in RACY_PLACEMENTS and test_name not in RACE_FREE_TESTS:
-        return (f"{spec} on placement {params['placement']!r} is timing-dependent (FINDINGS bug 2: non_blocking "
+    placement = _param(params, "placement", cuda)
+    if spec in RACY_SCALERS and placement in RACY_PLACEMENTS and test_name not in RACE_FREE_TESTS:
+        return (f"{spec} on placement {placement!r} is timing-dependent (FINDINGS bug 2: non_blocking "
                 f"CPU copies of inv_scale/found_inf used before they land); checked deterministically in "
                 f"test_busy_gpu.py")
     return None

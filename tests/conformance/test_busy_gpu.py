@@ -52,7 +52,7 @@ def _busy_trials(spec, placement, bad, trials):
 @pytest.mark.parametrize("placement", placement_params(["offload", "mixed", "cuda"]))
 def test_busy_gpu_cpu_grads_are_unscaled_and_checked(scaler, placement, bad, world_size):
     out = run_on_ranks(_busy_trials, scaler, placement, bad, 20, world_size=world_size,
-                       device=harness_device(placement, world_size), timeout=120)
+                       device=harness_device(placement, world_size), timeout=120, exclusive_gpu=True)
     for rank, trials in enumerate(out):
         for t, trial in enumerate(trials):
             where = f"rank {rank}, trial {t}"

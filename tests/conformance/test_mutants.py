@@ -3,40 +3,19 @@
 Runs the conformance suite once, in a child pytest, against every mutant at once, and reads
 the per-test outcomes from its JUnit XML. `ours` itself is the control: it must pass there.
 """
-import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
-
 import pytest
 
+from tests.child_run import child_run
 from tests.conformance.mutants import EXPECTED
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"
 
 
 def _child_run(xml, specs, selection):
     """The conformance suite in a child pytest against specs; returns {(spec, test): [outcomes]}."""
-    cmd = [sys.executable, "-m", "pytest", "tests/conformance", "-m", "not slow", "-k", selection, "-q",
-           "-p", "no:cacheprovider", "-n", "2", f"--junitxml={xml}"]
-    for spec in specs:
-        cmd += ["--scaler", spec]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != "PYTEST_ADDOPTS"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode in (0, 1), proc.stdout[-5000:] + proc.stderr[-5000:]
-    ids = sorted(((spec.replace(":", "-"), spec) for spec in specs), key=lambda p: -len(p[0]))
-    result = {}
-    for case in ET.parse(xml).iter("testcase"):
-        test, _, params = case.get("name").partition("[")
-        spec = next(s for i, s in ids if params.startswith(i + "-") or params == i + "]")
-        failed = case.find("failure") is not None or case.find("error") is not None
-        skipped = case.find("skipped") is not None
-        result.setdefault((spec, test), []).append("failed" if failed else "skipped" if skipped else "passed")
-    return result
+    out = child_run(xml, ["tests/conformance"], selection, scalers=specs)
+    return {(spec, test): o for (spec, test, _), o in out.items()}
 
 
 @pytest.fixture(scope="module")

@@ -139,8 +139,11 @@ def _validate(world_size, device, backend):
 
 
 def run_on_ranks(fn, *args, world_size: int = 2, device: str = "cpu", backend: str | None = None,
-                 timeout: float | None = None, seed: int = 0, **kwargs) -> list:
+                 timeout: float | None = None, seed: int = 0, exclusive_gpu: bool = False, **kwargs) -> list:
     """Run fn(*args, **kwargs) on every rank; return [result of rank 0, result of rank 1, ...].
+
+    GPU tasks of different xdist workers share a GPU; exclusive_gpu=True (timing-sensitive checks)
+    waits until the task is alone on its GPUs.
 
     Skips the calling test (pytest.skip) when the configuration needs hardware that is missing.
     Raises RankRaised / RankDied / RankHung with every rank's traceback or stack.
@@ -161,7 +164,8 @@ def run_on_ranks(fn, *args, world_size: int = 2, device: str = "cpu", backend: s
     if torchrun_world_size() is not None:
         return _run_under_torchrun(payload, device, backend, seed)
     key = (world_size, backend, device)
-    with _exclusive_gpus(world_size, device):
+    exclusive_gpu = exclusive_gpu or os.environ.get("FSDP_AMP_EXCLUSIVE_GPUS") == "1"  # to measure the gain
+    with _gpu_locks(world_size, device, exclusive_gpu):
         if _settings["isolate"]:
             pool = RankPool(*key)
             try:
@@ -175,20 +179,28 @@ def run_on_ranks(fn, *args, world_size: int = 2, device: str = "cpu", backend: s
 
 
 @contextlib.contextmanager
-def _exclusive_gpus(world_size: int, device: str):
-    """Hold an flock on each GPU the task uses: xdist workers never run GPU tasks on one GPU at once.
+def _gpu_locks(world_size: int, device: str, exclusive: bool):
+    """flock each GPU the task uses: shared by ordinary tasks, exclusive for timing-sensitive ones.
 
-    Timing-sensitive checks (an async copy racing queued kernels) must see only their own queued
-    work, not another worker's; CPU tasks are not serialised.
+    A timing check (an async copy racing queued kernels) must see only its own queued work, so it
+    waits until no other worker's task runs on its GPUs; everything else shares them. The shared
+    take is made under a brief exclusive gate, as the exclusive one is, so a stream of shared tasks
+    cannot starve an exclusive one (flock alone has no writer preference). CPU tasks take no lock.
     """
     if device == "cpu":
         yield
         return
     gpus = worker_gpus()[: world_size if device == "cuda" else 1]
+
+    def lock_file(name):
+        return stack.enter_context(open(os.path.join(tempfile.gettempdir(), f"fsdp-amp-suite-{name}.lock"), "w"))
+
     with contextlib.ExitStack() as stack:
+        gate = lock_file("gate")
+        fcntl.flock(gate, fcntl.LOCK_EX)
         for g in sorted(gpus):  # one global order: no lock-order deadlock between workers
-            f = stack.enter_context(open(os.path.join(tempfile.gettempdir(), f"fsdp-amp-suite-gpu{g}.lock"), "w"))
-            fcntl.flock(f, fcntl.LOCK_EX)
+            fcntl.flock(lock_file(f"gpu{g}"), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
         yield
 
 

@@ -1,0 +1,118 @@
+"""Every axis of the FSDP-vs-DDP matrix, in one table, and the cells generated from it.
+
+The product of the FULL axes (implementation x offload x precision x wrapping x world size) is
+generated whole, and multiplied by the scalers under test in conftest.py. The PAIRWISE axes are
+covered in pairs: each cell of the full product gets one choice of them, picked greedily so that
+every pair of values (of two pairwise axes, or of a pairwise and a full axis) occurs in some cell.
+The whole product (x16) would cost 16x the run time for interactions of three or more settings.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import astuple, dataclass, fields
+
+# axis -> its values, as they appear in test ids (in this order); meaning in the comments
+AXES = {
+    "impl": ("fairscale", "fsdp1", "fsdp2"),   # fairscale FullyShardedDataParallel, torch FSDP1, torch fully_shard
+    "offload": ("nooffload", "offload"),        # offload: params and grads on CPU (fairscale cpu_offload +
+                                                # move_grads_to_cpu, FSDP1 CPUOffload, FSDP2 CPUOffloadPolicy)
+    "precision": ("fp32", "fp16", "bf16"),     # param + reduce dtype (fairscale mixed_precision + compute_dtype)
+    "wrapping": ("rootwrap", "nested"),        # root only; or every block wrapped, one block inside another
+    "world_size": (1, 2, 4, 8),                # ids ws1 ... ws8; 8 only on a host with 8 GPUs
+    "params": ("flat", "orig"),                # fairscale flatten_parameters / FSDP1 use_orig_params=False;
+                                               # FSDP2 has one mode (orig)
+    "reshard": ("reshard", "noreshard"),       # reshard after forward (FSDP1: FULL_SHARD vs SHARD_GRAD_OP)
+    "optimizer": ("sgd", "adamw"),             # SGD + momentum (Adam hides scale errors); AdamW fused=True
+    "clip": ("noclip", "clip"),                # clip: unscale_, then the implementation's clip_grad_norm_
+}
+FULL = ("impl", "offload", "precision", "wrapping", "world_size")
+PAIRWISE = ("params", "reshard", "optimizer", "clip")
+ONLY = {("fsdp2", "params"): ("orig",)}  # (implementation, axis) -> the values it has; others are invalid
+
+
+@dataclass(frozen=True)
+class Cell:
+    impl: str
+    offload: str
+    precision: str
+    wrapping: str
+    world_size: int
+    params: str
+    reshard: str
+    optimizer: str
+    clip: str
+
+    @property
+    def id(self) -> str:
+        return "-".join(f"ws{v}" if f.name == "world_size" else str(v).replace(":", "-")
+                        for f, v in zip(fields(self), astuple(self)))
+
+    def __str__(self) -> str:
+        return self.id
+
+
+def _allowed(impl: str, axis: str) -> tuple:
+    return ONLY.get((impl, axis), AXES[axis])
+
+
+def cells(impls=AXES["impl"]) -> list[Cell]:
+    """The full product of FULL axes (over the given implementations), pairwise over PAIRWISE.
+
+    Each implementation covers every pair on its own (its cells may be the only ones a machine can
+    run); among equally good choices the least used one wins, so the pairwise axes stay balanced.
+    """
+    out = []
+    for impl in impls:
+        uncovered = _valid_pairs(impl)
+        used = collections.Counter()
+        for core in itertools.product(*(AXES[a] if a != "impl" else (impl,) for a in FULL)):
+            base = dict(zip(FULL, core))
+            options = list(itertools.product(*(_allowed(impl, a) for a in PAIRWISE)))
+            best = max(options, key=lambda extra: (len(_pairs({**base, **dict(zip(PAIRWISE, extra))}) & uncovered),
+                                                   -used[extra]))
+            used[best] += 1
+            chosen = {**base, **dict(zip(PAIRWISE, best))}
+            uncovered -= _pairs(chosen)
+            out.append(Cell(**chosen))
+    return out
+
+
+def _valid_pairs(impl: str) -> set:
+    values = {a: (impl,) if a == "impl" else _allowed(impl, a) for a in FULL + PAIRWISE}
+    return {((a, va), (b, vb)) for a, b in itertools.combinations(FULL + PAIRWISE, 2) if a in PAIRWISE or b in PAIRWISE
+            for va in values[a] for vb in values[b]}
+
+
+def _pairs(config: dict) -> set:
+    return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(FULL + PAIRWISE, 2)
+            if a in PAIRWISE or b in PAIRWISE}
+
+
+def missing_pairs(generated: list[Cell], impl: str) -> set:
+    """Valid value pairs that no cell of this implementation covers (for the coverage test)."""
+    have = set().union(*(_pairs(vars(c)) for c in generated if c.impl == impl))
+    return _valid_pairs(impl) - have
+
+
+def skip_reason(cell: Cell, n_gpus: int) -> str | None:
+    """Why this machine cannot run the cell (n_gpus: CUDA devices visible), or None."""
+    ws = cell.world_size
+    if ws == 8 and n_gpus < 8:
+        return f"world size 8 runs only on a host with 8 GPUs (one per rank, NCCL); {n_gpus} visible"
+    if cell.impl == "fairscale":
+        if n_gpus == 0:
+            return "fairscale FSDP needs CUDA (hard-coded CUDA streams: KeyError 'all_gather' on CPU)"
+        if ws > n_gpus:
+            return (f"fairscale FSDP at world size {ws} needs NCCL with one GPU per rank (under gloo it fails a "
+                    f"reduce_scatter shape check); {n_gpus} GPU(s) visible")
+    if cell.impl == "fsdp1" and cell.offload == "offload" and n_gpus == 0:
+        return "FSDP1 CPUOffload needs an accelerator (pin_memory: 'Cannot access accelerator device when none is available')"
+    return None
+
+
+def harness_device(cell: Cell, n_gpus: int) -> str:
+    """The rank harness's device mode: gloo on CPU; NCCL with a GPU per rank; else gloo ranks sharing GPU 0."""
+    if n_gpus == 0:
+        return "cpu"
+    return "cuda" if cell.world_size <= n_gpus else "cuda-shared"

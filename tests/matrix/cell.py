@@ -1,0 +1,213 @@
+"""One matrix cell on every rank: the same problem trained under FSDP and under a DDP reference.
+
+The reference reproduces the FSDP side's numerics (the technique of PyTorch's FSDP2 mixed
+precision tests): an fp32 master copy owns the optimizer; a copy in the cell's dtype, wrapped in
+DDP, runs forward and backward and all-reduces its grads in that dtype, as FSDP reduces in its
+reduce dtype; the grads are cast to fp32 onto the master params, the trusted torch.amp.GradScaler
+unscales and steps, and the master params are cast back into the low-precision copy. FSDP does the
+same with sharded fp32 params, so the two sides differ only in the order of the low-precision
+reduction (all-reduce vs reduce-scatter), not in what is computed.
+
+The schedule (STEPS steps) makes the scaler work in every cell: growth after GROWTH_INTERVAL clean
+steps; at INJECT_STEP an inf in one element of the last rank's local grad shard (every rank of the
+reference gets it: DDP grads are replicated); at OVERFLOW_STEP, in fp16 cells, rank 0's
+micro-batch overflows fp16 in the forward pass.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tests.harness import rank_device
+from tests.matrix.implementations import Settings, resolve
+from tests.scalers import make_scaler
+
+STEPS = 12
+INJECT_STEP = 4  # one clean step after the growth at step 2: a backoff must reset a non-zero tracker
+OVERFLOW_STEP = 7
+SCALER_ARGS = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+GLOBAL_BATCH = 16  # split evenly over 1, 2, 4 or 8 ranks
+LR = {"sgd": 0.05, "adamw": 0.01}
+MOMENTUM = 0.9
+MAX_NORM = 0.5  # small enough that clipping bites every clean step
+DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Block(nn.Module):
+    """A unit FSDP can wrap on its own; `inner` makes a block inside a block."""
+
+    def __init__(self, d_in: int, d_out: int, inner: nn.Module | None = None):
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+        self.inner = inner
+
+    def forward(self, x):
+        x = torch.relu(self.lin(x))
+        return x if self.inner is None else self.inner(x)
+
+
+def build_model() -> nn.Module:
+    """Uneven shapes: 13 and 3 rows shard unevenly; the head's 3 rows leave rank 3 of 4 empty."""
+    torch.manual_seed(1234)
+    return nn.Sequential(Block(7, 13), Block(13, 11, inner=Block(11, 11)), nn.Linear(11, 3))
+
+
+def micro_batch(step: int, rank: int, world_size: int, overflow: bool):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+    n = GLOBAL_BATCH // world_size
+    x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    return (x * 1e5 if overflow else x), y  # 1e5 > fp16 max (65504): the input itself overflows
+
+
+def make_optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR[kind], momentum=MOMENTUM)
+    return torch.optim.AdamW(params, lr=LR[kind], fused=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor -> this rank's shard
+
+
+def inject_inf_in_local_shard(params) -> str:
+    """inf into the middle element of the LAST param's local grad that has one (as FSDP leaves it)."""
+    for i, p in reversed(list(enumerate(params))):
+        if p.grad is not None and _local(p.grad).numel() > 0:
+            local = _local(p.grad)
+            with torch.no_grad():
+                local.view(-1)[local.numel() // 2] = math.inf
+            return f"param {i} {tuple(local.shape)} on {local.device}"
+    raise AssertionError("this rank holds no grad shard to inject into")
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter, gathered full (a collective for FSDP), fp32 on CPU, under its plain name."""
+    out = {}
+    for name, value in model.state_dict().items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        plain = ".".join(part for part in name.split(".") if not part.startswith("_") and part != "module")
+        out[plain] = value.detach().float().cpu().clone()  # not an alias of the live param
+    return out
+
+
+def _zero_grad_probe(model, opt) -> dict[str, torch.Tensor]:
+    """One optimizer step on zero grads moves each param by -lr * momentum * its momentum buffer
+    (SGD; AdamW by its moment estimates): the gathered params after it expose the optimizer state."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    return full_params(model)
+
+
+def _local_params(params) -> list[torch.Tensor]:
+    return [_local(p).detach().clone() for p in params]
+
+
+def _changed(params, before) -> bool:
+    """Did the step touch this rank's params? (A fused optimizer is called even on a skipped step.)"""
+    return any(not torch.equal(_local(p), b) for p, b in zip(params, before))
+
+
+class Reference:
+    """DDP over a low-precision replica; fp32 master params own the optimizer; torch.amp.GradScaler."""
+
+    def __init__(self, base: nn.Module, cell, device: torch.device):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dtype = DTYPES[cell.precision]
+        self.master = copy.deepcopy(base).to(device)
+        self.replica = copy.deepcopy(self.master).to(dtype or torch.float32)
+        self.ddp = DDP(self.replica, device_ids=[device] if device.type == "cuda" else None)
+        self.opt = make_optimizer(cell.optimizer, self.master.parameters())
+        self.scaler = torch.amp.GradScaler(device.type, **SCALER_ARGS)
+
+    def backward(self, x, y) -> torch.Tensor:
+        loss = F.mse_loss(self.ddp(x).float(), y)
+        self.scaler.scale(loss).backward()
+        for master, low in zip(self.master.parameters(), self.replica.parameters()):
+            master.grad = None if low.grad is None else low.grad.float()
+            low.grad = None
+        return loss
+
+    def sync_replica(self):
+        with torch.no_grad():
+            for master, low in zip(self.master.parameters(), self.replica.parameters()):
+                low.copy_(master)
+
+
+def _record(log, loss, params, before, scaler):
+    log["loss"].append(loss.detach().float().item())
+    log["stepped"].append(_changed(params, before))
+    log["scale"].append(float(scaler.get_scale()))
+
+
+def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    dtype = DTYPES[cell.precision]
+    base = build_model()
+    settings = Settings(device=device, dtype=dtype, offload=cell.offload == "offload",
+                        nested=cell.wrapping == "nested", block_cls=Block, flat_params=cell.params == "flat",
+                        reshard=cell.reshard == "reshard")
+    try:
+        model = resolve(impl_spec)(copy.deepcopy(base), settings)
+    except NotImplementedError as exc:  # the wrapper cannot build this configuration here
+        return dict(unsupported=f"{impl_spec}: {exc}")
+    opt = make_optimizer(cell.optimizer, model.parameters())
+    scaler = make_scaler(scaler_spec, device=device.type, **SCALER_ARGS)
+    ref = Reference(base, cell, device)
+    fsdp_params, ref_params = list(model.parameters()), list(ref.master.parameters())
+    # the seed's path (fairscale + offload): the loss is moved to the params' device (CPU) before
+    # scaling, so the scale lives on CPU; elsewhere it is scaled where it was computed
+    seed_path = impl_spec == "fairscale" and settings.offload
+    clip = getattr(model, "clip_grad_norm_", None) or (
+        lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    log = {side: {"loss": [], "stepped": [], "scale": []} for side in ("fsdp", "ref")}
+    injected = None
+    for step in range(STEPS):
+        x, y = micro_batch(step, rank, world_size, overflow=dtype == torch.float16 and step == OVERFLOW_STEP
+                           and rank == 0)
+        x, y = x.to(device, dtype or torch.float32), y.to(device)
+        inject = step == INJECT_STEP
+
+        # --- FSDP side, the scaler under test
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x).float(), y)
+        scaled = scaler.scale(loss.to(next(model.parameters()).device) if seed_path else loss)
+        scaled.backward()
+        if inject and rank == world_size - 1:
+            injected = inject_inf_in_local_shard(fsdp_params)
+        if cell.clip == "clip":
+            scaler.unscale_(opt)
+            clip(MAX_NORM)
+        before = _local_params(fsdp_params)
+        scaler.step(opt)
+        scaler.update()
+        _record(log["fsdp"], loss, fsdp_params, before, scaler)
+
+        # --- the reference: DDP, torch.amp.GradScaler, the inf on every rank (grads are replicated)
+        ref.opt.zero_grad(set_to_none=True)
+        ref_loss = ref.backward(x, y)
+        if inject:
+            inject_inf_in_local_shard(ref_params)
+        if cell.clip == "clip":
+            ref.scaler.unscale_(ref.opt)
+            torch.nn.utils.clip_grad_norm_(ref.master.parameters(), MAX_NORM)
+        before = _local_params(ref_params)
+        ref.scaler.step(ref.opt)
+        ref.scaler.update()
+        ref.sync_replica()
+        _record(log["ref"], ref_loss, ref_params, before, ref.scaler)
+
+    grad_devices = sorted({str(_local(p.grad).device) for p in model.parameters() if p.grad is not None})
+    grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+    return dict(log=log, injected=injected, grad_devices=grad_devices, grad_dtypes=grad_dtypes,
+                params=dict(fsdp=full_params(model), ref=full_params(ref.master)),
+                probe=dict(fsdp=_zero_grad_probe(model, opt), ref=_zero_grad_probe(ref.master, ref.opt)))

@@ -1,0 +1,34 @@
+"""The matrix's cells: the full product over the FULL axes, every valid pair of the rest, readable ids."""
+import itertools
+
+import pytest
+
+from tests.matrix import axes
+
+pytestmark = pytest.mark.matrix
+
+
+def test_full_axes_are_a_full_product():
+    got = {tuple(getattr(c, a) for a in axes.FULL) for c in axes.cells()}
+    assert got == set(itertools.product(*(axes.AXES[a] for a in axes.FULL)))
+
+
+@pytest.mark.parametrize("impl", axes.AXES["impl"])
+def test_every_valid_pair_is_covered_by_each_implementation(impl):
+    assert not axes.missing_pairs(axes.cells(), impl)
+
+
+def test_invalid_combinations_are_not_generated():
+    assert {c.params for c in axes.cells() if c.impl == "fsdp2"} == {"orig"}
+
+
+def test_ids_are_unique_and_read_like_the_config():
+    cells = axes.cells()
+    assert len({c.id for c in cells}) == len(cells)
+    c = axes.Cell("fsdp1", "offload", "fp16", "nested", 2, "orig", "reshard", "sgd", "clip")
+    assert c.id == "fsdp1-offload-fp16-nested-ws2-orig-reshard-sgd-clip"
+
+
+def test_a_plugged_implementation_replaces_the_axis():
+    cells = axes.cells(["mypkg.wrappers:make"])
+    assert {c.impl for c in cells} == {"mypkg.wrappers:make"} and cells[0].id.startswith("mypkg.wrappers-make-")

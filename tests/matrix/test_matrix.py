@@ -1,0 +1,122 @@
+"""FSDP vs DDP: every cell trains the same problem both ways (cell.py) and the two must agree.
+
+Compared at every step and on every rank: the loss, the step/skip decision and the scale after
+update(); at the end every parameter gathered full, and the optimizer state (through one zero-grad
+probe step). Every cell must also have exercised the scaler: a growth, a backoff, an applied step.
+A failure names the first step, rank and quantity where FSDP and DDP diverged, and the command
+that reruns exactly that cell in fresh processes.
+"""
+import math
+import shlex
+
+import pytest
+import torch
+
+from tests.harness import run_on_ranks
+from tests.matrix import axes, implementations
+from tests.matrix.cell import INJECT_STEP, OVERFLOW_STEP, SCALER_ARGS, STEPS, train_cell
+from tests.scalers import BUILTINS as BUILTIN_SCALERS
+
+pytestmark = pytest.mark.matrix
+
+# (rtol, atol), written once per precision. The two sides compute the same thing; they differ only
+# in the order of the gradient reduction (DDP all-reduce vs FSDP reduce-scatter), which changes a
+# reduced grad by at most one rounding in the reduce dtype. With |lr * update| <~ 0.1 over 12 steps
+# that stays under one unit of that dtype's eps in every loss and parameter. fp32: 16 ulp (2^-19)
+# covers the same reordering plus fused multiply-add differences between devices, i.e. round-off.
+TOLERANCE = {
+    "fp32": (2.0**-19, 2.0**-19),
+    "fp16": (torch.finfo(torch.float16).eps, torch.finfo(torch.float16).eps),
+    "bf16": (torch.finfo(torch.bfloat16).eps, torch.finfo(torch.bfloat16).eps),
+}
+
+
+def _n_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def test_fsdp_matches_ddp(cell, scaler, request):
+    out = run_on_ranks(train_cell, cell, scaler, cell.impl, world_size=cell.world_size,
+                       device=axes.harness_device(cell, _n_gpus()))
+    if "unsupported" in out[0]:
+        pytest.skip(out[0]["unsupported"])
+    problem = divergence(cell, out) or scaler_idle(out)
+    if problem:
+        pytest.fail(f"{problem}\n\n{step_table(out)}\n\nrerun this cell alone:\n  {rerun_command(request, cell, scaler)}",
+                    pytrace=False)
+
+
+def _close(a: float, b: float, rtol: float, atol: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b or abs(a - b) <= atol + rtol * abs(b)
+
+
+def divergence(cell, out) -> str | None:
+    """Where FSDP and DDP first diverged: step, rank, quantity, both values (None: they agree)."""
+    rtol, atol = TOLERANCE[cell.precision]
+    for step in range(STEPS):
+        for rank, r in enumerate(out):
+            f, d = r["log"]["fsdp"], r["log"]["ref"]
+            where = f"step {step}{_event(step, cell, r)}, rank {rank}"
+            if not _close(f["loss"][step], d["loss"][step], rtol, atol):
+                return f"FSDP and DDP diverged first at {where}: loss FSDP {f['loss'][step]!r} vs DDP {d['loss'][step]!r}"
+            if f["stepped"][step] != d["stepped"][step]:
+                word = {True: "stepped", False: "skipped"}
+                return (f"FSDP and DDP diverged first at {where}: decision FSDP {word[f['stepped'][step]]} vs DDP "
+                        f"{word[d['stepped'][step]]}")
+            if f["scale"][step] != d["scale"][step]:
+                return f"FSDP and DDP diverged first at {where}: scale after update() FSDP {f['scale'][step]!r} vs DDP {d['scale'][step]!r}"
+    for what, label in (("params", "parameter"), ("probe", "optimizer state (param after a zero-grad probe step)")):
+        for rank, r in enumerate(out):
+            mine, ref = r[what]["fsdp"], r[what]["ref"]
+            if set(mine) != set(ref):
+                return f"rank {rank}: FSDP's full state_dict has names {sorted(mine)}, DDP's {sorted(ref)}"
+            for name in ref:
+                a, b = mine[name], ref[name]
+                if a.shape != b.shape or not torch.allclose(a, b, rtol=rtol, atol=atol):
+                    i = int(((a - b).abs().nan_to_num(math.inf) if a.shape == b.shape else torch.ones(1)).argmax())
+                    return (f"FSDP and DDP diverged first at the end, rank {rank}: {label} {name!r} element {i}: FSDP "
+                            f"{a.view(-1)[i].item()!r} vs DDP {b.view(-1)[i].item()!r}" if a.shape == b.shape else
+                            f"rank {rank}: {label} {name!r} has shape {tuple(a.shape)} under FSDP, {tuple(b.shape)} under DDP")
+    return None
+
+
+def _event(step, cell, r) -> str:
+    if step == INJECT_STEP:
+        return f" (inf injected on the last rank into {r['injected'] or 'another rank'})"
+    if step == OVERFLOW_STEP and cell.precision == "fp16":
+        return " (rank 0's micro-batch overflows fp16)"
+    return ""
+
+
+def scaler_idle(out) -> str | None:
+    """A cell where the scaler never grew, never backed off, or no step applied proves nothing."""
+    log = out[0]["log"]["ref"]
+    before = [SCALER_ARGS["init_scale"]] + log["scale"][:-1]
+    grew = any(b > a for a, b in zip(before, log["scale"]))
+    backed_off = any(b < a for a, b in zip(before, log["scale"]))
+    if not (grew and backed_off and any(log["stepped"]) and not all(log["stepped"])):
+        return f"the cell did not exercise the scaler (grew={grew}, backed off={backed_off}, steps={log['stepped']})"
+    return None
+
+
+def step_table(out) -> str:
+    lines = ["step  rank  loss FSDP / DDP                     stepped F/D   scale F/D"]
+    for step in range(STEPS):
+        for rank, r in enumerate(out):
+            f, d = r["log"]["fsdp"], r["log"]["ref"]
+            mark = "" if (f["stepped"][step], f["scale"][step]) == (d["stepped"][step], d["scale"][step]) else "  <-"
+            lines.append(f"{step:4d}  {rank:4d}  {f['loss'][step]:<16.9g}/ {d['loss'][step]:<16.9g}  "
+                         f"{f['stepped'][step]!s:5}/{d['stepped'][step]!s:5}  {f['scale'][step]:g}/{d['scale'][step]:g}{mark}")
+    r0 = out[0]
+    lines.append(f"FSDP grads on rank 0: devices {r0['grad_devices']}, dtypes {r0['grad_dtypes']}")
+    return "\n".join(lines)
+
+
+def rerun_command(request, cell, scaler) -> str:
+    cmd = ["python", "-m", "pytest", "--isolate-ranks", "-p", "no:xdist", str(request.path), "-k",
+           request.node.callspec.id]
+    if scaler not in BUILTIN_SCALERS:
+        cmd += ["--scaler", scaler]
+    if cell.impl not in implementations.BUILTINS:
+        cmd += ["--fsdp", cell.impl]
+    return shlex.join(cmd)

@@ -1,0 +1,65 @@
+"""The matrix catches defects inside real FSDP training: planted scalers and broken wrappers fail cells.
+
+A representative slice (every CPU-runnable cell at world size 2: FSDP1 and FSDP2, offload on and
+off, fp32/fp16/bf16, SGD and fused AdamW, with and without clipping) runs in a child pytest against
+`ours` (the control: it must pass every cell) and the mutant scalers a real FSDP run should expose;
+then the same slice with `ours` under plugged wrappers: a correct one passes, broken ones fail.
+"""
+import pytest
+
+from tests.child_run import child_run
+
+pytestmark = [pytest.mark.matrix, pytest.mark.slow]
+
+SLICE = "ws2 and (fsdp1 or fsdp2)"
+MUTANTS = [  # tests/conformance/mutants.py: the defects FSDP training with an injected inf must expose
+    "no_agreement",                 # ranks decide alone: the rank without the inf steps
+    "backoff_only_if_exactly_one",  # both ranks see the fp16 overflow: found_inf sums to 2.0
+    "agrees_only_in_step",          # the clipping path's unscale_ decides alone
+    "checks_first_grad_only",       # the inf sits in the last grad of the shard
+    "steps_on_inf",
+    "stale_scale_after_backoff",
+    "tracker_not_reset_on_backoff",
+    "grows_one_step_late",
+    "init_scale_ignored",
+    "ignores_d_tensor_grads",       # FSDP2 cells
+]
+WRAPPERS = "tests.matrix.implementations"
+BROKEN = ["fsdp1_sums_grads"]  # implementations.py: reduces by SUM, no 1/world_size average
+
+
+@pytest.fixture(scope="module")
+def scalers(tmp_path_factory):
+    specs = ["ours"] + [f"tests.conformance.mutants:{m}" for m in MUTANTS]
+    return child_run(tmp_path_factory.mktemp("teeth") / "scalers.xml", ["tests/matrix/test_matrix.py"], SLICE,
+                     scalers=specs, marker="matrix")
+
+
+@pytest.fixture(scope="module")
+def wrappers(tmp_path_factory):
+    fsdps = [f"{WRAPPERS}:fsdp1", f"{WRAPPERS}:fsdp2"] + [f"{WRAPPERS}:{b}" for b in BROKEN]
+    return child_run(tmp_path_factory.mktemp("teeth") / "wrappers.xml", ["tests/matrix/test_matrix.py"], "ws2",
+                     scalers=["ours"], fsdps=fsdps, marker="matrix")
+
+
+def test_ours_passes_every_cell_of_the_slice(scalers):
+    got = scalers.get(("ours", "test_fsdp_matches_ddp", None), [])
+    assert "passed" in got and set(got) <= {"passed", "skipped"}, got  # skipped: needs a GPU
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_mutant_fails_cells(scalers, mutant):
+    got = scalers.get((f"tests.conformance.mutants:{mutant}", "test_fsdp_matches_ddp", None), [])
+    assert "failed" in got, f"{mutant}: no matrix cell failed ({got or 'no results'})"
+
+
+@pytest.mark.parametrize("impl", ["fsdp1", "fsdp2"])
+def test_a_correct_plugged_wrapper_passes_with_no_expected_failures(wrappers, impl):
+    got = wrappers.get(("ours", "test_fsdp_matches_ddp", f"{WRAPPERS}:{impl}"), [])
+    assert "passed" in got and set(got) <= {"passed", "skipped"}, got  # skipped: needs a GPU
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+def test_a_broken_plugged_wrapper_fails_cells(wrappers, broken):
+    got = wrappers.get(("ours", "test_fsdp_matches_ddp", f"{WRAPPERS}:{broken}"), [])
+    assert "failed" in got, f"{broken}: no cell failed ({got or 'no results'})"
