@@ -84,7 +84,7 @@ def make_scaler(spec: str, *, device: str, init_scale: float = 2.0**8, growth_fa
 
 @dataclass(frozen=True)
 class KnownBug:
-    scalers: frozenset
+    scalers: frozenset | None  # None: a bug of the FSDP implementation, hit by every scaler (plugged too)
     tests: frozenset | None  # test function names; None: every test that builds an enabled scaler
     reason: str
     when: Callable = field(default=lambda params, cuda: True)  # params: the item's callspec.params
@@ -92,7 +92,7 @@ class KnownBug:
 
 
 def _bug(scalers, tests, reason, when=None, beats_race=False):
-    return KnownBug(frozenset(scalers), tests if tests is None else frozenset(tests), reason,
+    return KnownBug(scalers if scalers is None else frozenset(scalers), tests if tests is None else frozenset(tests), reason,
                     when or (lambda params, cuda: True), beats_race)
 
 
@@ -222,6 +222,21 @@ KNOWN_BUGS = [
          "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
          "ShardedGradScaler.unscale_, so under FSDP1 an inf in one rank's shard makes only that rank skip",
          when=_where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale"))),
+    _bug({"fairscale_sharded"}, {MATRIX},
+         "fairscale ShardedGradScaler.step passes grad_scaler=self to an optimizer that supports AMP scaling "
+         "(fused AdamW), whose step() no longer takes it: TypeError: Adam.step() got an unexpected keyword "
+         "argument 'grad_scaler'", when=_where(optimizer="adamw")),
+    _bug({"torch_amp", "torch_sharded", "fairscale_sharded"}, {MATRIX},
+         "FINDINGS bug 5: torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16; fairscale "
+         "FSDP with compute_dtype bf16 and no offload leaves bf16 grads on the GPU at world size 1",
+         when=_where(impl="fairscale", offload="nooffload", precision="bf16", world_size=1)),
+    _bug(None, {MATRIX},
+         "fairscale FSDP bug: with mixed_precision and no offload at world size 1 the fp32 params get fp16/bf16 grads; "
+         "foreach SGD (flatten_parameters=False) and fused AdamW reject them: 'Tensors of the same index must be on "
+         "the same device and the same dtype'",
+         when=lambda params, cuda: _where(impl="fairscale", offload="nooffload", precision=("fp16", "bf16"),
+                                          world_size=1)(params, cuda)
+         and (_param(params, "params", cuda) == "orig" or _param(params, "optimizer", cuda) == "adamw")),
     _bug({"fairscale_sharded"}, {BUSY},
          "FINDINGS bug 2 (fairscale reads inv_scale's non_blocking CPU copy before it lands: CPU grads zeroed) "
          "and, on 2 ranks, bug 1 (CPU found_inf never agreed)",
@@ -255,10 +270,10 @@ def skip_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str | No
 
 
 def known_bug(spec: str, test_name: str, params: dict, cuda: bool) -> KnownBug | None:
-    if spec not in BUILTINS:
-        return None
+    """The known bug this test id hits: a built-in scaler's, or (any scaler) a built-in FSDP's."""
     for bug in KNOWN_BUGS:
         in_tests = test_name not in ENABLED_FREE_TESTS if bug.tests is None else test_name in bug.tests
-        if spec in bug.scalers and in_tests and bug.when(params, cuda):
+        applies = bug.scalers is None or (spec in BUILTINS and spec in bug.scalers)
+        if applies and in_tests and bug.when(params, cuda):
             return bug
     return None

@@ -106,6 +106,10 @@ def skip_reason(cell: Cell, n_gpus: int) -> str | None:
         if ws > n_gpus:
             return (f"fairscale FSDP at world size {ws} needs NCCL with one GPU per rank (under gloo it fails a "
                     f"reduce_scatter shape check); {n_gpus} GPU(s) visible")
+    if cell.impl == "fsdp2" and cell.offload == "nooffload" and 0 < n_gpus < ws:
+        return (f"FSDP2 with CUDA params at world size {ws} needs NCCL with one GPU per rank: over gloo ranks sharing "
+                f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (torch 2.11); "
+                f"{n_gpus} GPU(s) visible")
     if cell.impl == "fsdp1" and cell.offload == "offload" and n_gpus == 0:
         return "FSDP1 CPUOffload needs an accelerator (pin_memory: 'Cannot access accelerator device when none is available')"
     return None
