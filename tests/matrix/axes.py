@@ -31,6 +31,14 @@ PAIRWISE = ("params", "reshard", "optimizer", "clip")
 ONLY = {("fsdp2", "params"): ("orig",)}  # (implementation, axis) -> the values it has; others are invalid
 
 
+def comparable(config: dict) -> bool:
+    """Not generated: AdamW in fp16/bf16 at world size >= 4. There the two sides' low-precision reductions
+    sum in different orders, and Adam turns a nearly cancelling sum of the other sign into a whole lr step
+    (seen: 0.011 on the H200, 0.0012 on CPU), so no tolerance derived from the dtype holds. AdamW still
+    meets every world size in fp32 and every precision at world sizes 1 and 2 (bit-identical sums)."""
+    return not (config["optimizer"] == "adamw" and config["precision"] != "fp32" and config["world_size"] >= 4)
+
+
 @dataclass(frozen=True)
 class Cell:
     impl: str
@@ -68,7 +76,8 @@ def cells(impls=AXES["impl"]) -> list[Cell]:
         used = collections.Counter()
         for core in itertools.product(*(AXES[a] if a != "impl" else (impl,) for a in FULL)):
             base = dict(zip(FULL, core))
-            options = list(itertools.product(*(_allowed(impl, a) for a in PAIRWISE)))
+            options = [extra for extra in itertools.product(*(_allowed(impl, a) for a in PAIRWISE))
+                       if comparable({**base, **dict(zip(PAIRWISE, extra))})]
             best = max(options, key=lambda extra: (len(_pairs({**base, **dict(zip(PAIRWISE, extra))}) & uncovered),
                                                    -used[extra]))
             used[best] += 1

@@ -20,6 +20,7 @@ def test_every_valid_pair_is_covered_by_each_implementation(impl):
 
 def test_invalid_combinations_are_not_generated():
     assert {c.params for c in axes.cells() if c.impl == "fsdp2"} == {"orig"}
+    assert all(axes.comparable(vars(c)) for c in axes.cells())
 
 
 def test_ids_are_unique_and_read_like_the_config():
