@@ -1,0 +1,97 @@
+"""The shape every repro file shares: one `reproduce(scaler)` body, two ways to run it.
+
+    python tests/repro/<file>.py      prints, per scaler, what happened and what should have
+    pytest -m repro                   the same body as unittest cases (parameterized.expand over the
+                                      built-in scalers): ours must not show the bug; each upstream
+                                      scaler the bug hits is a strict xfail whose reason is its entry
+                                      in tests/scalers.py KNOWN_BUGS (one home for every bug's text)
+
+A body returns `Outcome(bug, happened, expected)`: whether the bug showed, and both stories in a
+sentence. Bodies that need ranks use the rank harness (gloo on CPU, or ranks sharing one GPU).
+"""
+from __future__ import annotations
+
+import sys
+import unittest
+from typing import Callable, NamedTuple
+
+import torch
+
+from tests.scalers import BUILTINS, KNOWN_BUGS
+
+SCALERS = [(name,) for name in BUILTINS]  # parameterized.expand: one case per built-in scaler
+
+
+class Outcome(NamedTuple):
+    bug: bool        # did the bug show?
+    happened: str    # what this scaler did
+    expected: str    # what a correct scaler does
+
+
+def known(phrase: str, scalers) -> dict[str, str]:
+    """{scaler: reason} for the KNOWN_BUGS entry whose reason contains phrase (exactly one).
+
+    On a machine without CUDA, fairscale's scaler disables itself (its own KNOWN_BUGS entry), so
+    any repro that builds it there is a known failure for that reason instead.
+    """
+    entries = [b for b in KNOWN_BUGS if phrase in b.reason]
+    assert len(entries) == 1, f"{phrase!r} names {len(entries)} KNOWN_BUGS entries, want 1"
+    hits = {s: entries[0].reason for s in scalers}
+    if not torch.cuda.is_available():
+        hits["fairscale_sharded"] = next(b.reason for b in KNOWN_BUGS if "disables itself without CUDA" in b.reason)
+    return hits
+
+
+def run(reproduce: Callable[[str], Outcome], scaler: str) -> Outcome:
+    """The body's outcome; an exception is the bug showing as a crash (first line of the message)."""
+    try:
+        return reproduce(scaler)
+    except Exception as exc:  # noqa: BLE001 - a crash is an outcome
+        last = [line for line in str(exc).splitlines() if line.strip()]
+        return Outcome(True, f"raised {type(exc).__name__}: {last[-1] if last else ''}".strip(),
+                       "no exception")
+
+
+def needs_cuda(cls):
+    return unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (one GPU): this bug lives in the CUDA "
+                               "code path; torch sees no GPU here")(cls)
+
+
+class ReproCase(unittest.TestCase):
+    """Subclass with HITS = known(...) and a test that calls self.check(scaler, reproduce)."""
+
+    HITS: dict[str, str] = {}
+
+    def check(self, scaler: str, reproduce: Callable[[str], Outcome]) -> None:
+        outcome = run(reproduce, scaler)
+        story = f"{scaler}: {outcome.happened} (a correct scaler: {outcome.expected})"
+        if scaler not in self.HITS:
+            self.assertFalse(outcome.bug, story)
+        elif outcome.bug:
+            import pytest
+
+            pytest.xfail(self.HITS[scaler])
+        else:
+            self.fail(f"XPASS(strict): {scaler} no longer shows the known bug: {story}. Upstream may have fixed "
+                      f"it: update KNOWN_BUGS in tests/scalers.py. Known as: {self.HITS[scaler]}")
+
+
+def main(reproduce: Callable[[str], Outcome], hits: dict[str, str], title: str) -> None:
+    """Plain-script mode: run the body for every built-in scaler and print what happened."""
+    from tests.harness import shutdown_pools
+
+    print(title)
+    print(f"torch {torch.__version__}, CUDA {'available' if torch.cuda.is_available() else 'not available'}\n")
+    for scaler in BUILTINS:
+        try:
+            outcome = run(reproduce, scaler)
+        except BaseException as exc:  # noqa: B902 - pytest.skip (no GPU) is a BaseException
+            print(f"{scaler:18s} skipped: {exc}")
+            continue
+        verdict = "BUG" if outcome.bug else "ok"
+        known_note = " (known upstream bug)" if scaler in hits else ""
+        print(f"{scaler:18s} {verdict}{known_note if outcome.bug else ''}: {outcome.happened}")
+        if outcome.bug:
+            print(f"{'':18s} should have: {outcome.expected}")
+    shutdown_pools()
+    sys.stdout.flush()

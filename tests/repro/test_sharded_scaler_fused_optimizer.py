@@ -1,0 +1,77 @@
+"""torch ShardedGradScaler + a fused optimizer: unscale_ (to clip) then step() crashes; without
+unscale_ it never agrees on an inf across ranks.
+
+Both come from GradScaler.step's fused-optimizer path (optimizers with _step_supports_amp_scaling,
+e.g. AdamW(fused=True)): after unscale_ it hands the optimizer ShardedGradScaler's found_inf, a
+shape-[1] tensor the fused kernel cannot subtract from its shape-[] step counter; without unscale_
+it checks grads through _check_inf_per_device, which never reaches ShardedGradScaler.unscale_'s
+all_reduce. Found by the FSDP-vs-DDP matrix (torch 2.11 CUDA and 2.13 CPU). Runs on CPU (gloo).
+
+    python tests/repro/test_sharded_scaler_fused_optimizer.py
+"""
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from parameterized import parameterized  # noqa: E402
+
+from tests.harness import run_on_ranks  # noqa: E402
+from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa: E402
+from tests.scalers import make_scaler  # noqa: E402
+
+pytestmark = pytest.mark.repro
+# torch.amp.GradScaler never agrees across ranks (it relies on DDP's all-reduced grads), fused or not
+NOT_SHARD_AWARE = known("torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1", {"torch_amp"})
+
+
+def _fused_step(scaler, unscale_first, inf_on_rank):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    s = make_scaler(scaler, device="cpu", init_scale=2.0**8)
+    s.scale(model(torch.ones(2, 4)).sum()).backward()
+    if dist.get_rank() == inf_on_rank:
+        model.weight.grad[0, 0] = math.inf  # as if only this rank's shard overflowed
+    if unscale_first:
+        s.unscale_(opt)  # the clipping path: unscale_, clip_grad_norm_, step
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    before = model.weight.detach().clone()
+    s.step(opt)
+    s.update()
+    return not torch.equal(before, model.weight)
+
+
+def after_unscale(scaler):
+    run_on_ranks(_fused_step, scaler, True, None, world_size=1)
+    return Outcome(False, "unscale_ -> clip_grad_norm_ -> step() stepped the fused AdamW",
+                   "steps the fused optimizer after an explicit unscale_")
+
+
+def inf_on_one_rank(scaler):
+    stepped = run_on_ranks(_fused_step, scaler, False, 1, world_size=2)
+    return Outcome(stepped != [False, False], f"inf only on rank 1: stepped per rank {stepped}",
+                   "every rank skips: [False, False]")
+
+
+class TestShardedScalerFusedOptimizer(ReproCase):
+    @parameterized.expand(SCALERS)
+    def test_unscale_then_fused_step(self, scaler):
+        self.HITS = known("after an explicit unscale_ (the clipping path)", {"torch_sharded"})
+        self.check(scaler, after_unscale)
+
+    @parameterized.expand(SCALERS)
+    def test_inf_on_one_rank_with_fused_optimizer(self, scaler):
+        self.HITS = {**known("takes GradScaler's fused path", {"torch_sharded"}), **NOT_SHARD_AWARE}
+        self.check(scaler, inf_on_one_rank)
+
+
+if __name__ == "__main__":
+    main(after_unscale, known("after an explicit unscale_ (the clipping path)", {"torch_sharded"}),
+         "ShardedGradScaler + fused AdamW: unscale_ then step()")
+    main(inf_on_one_rank, {**known("takes GradScaler's fused path", {"torch_sharded"}), **NOT_SHARD_AWARE},
+         "\nShardedGradScaler + fused AdamW: an inf on one rank only (2 gloo ranks)")
