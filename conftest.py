@@ -10,6 +10,8 @@ import torch
 from tests.harness import ranks
 from tests.scalers import BUILTINS, known_bug, resolve, skip_reason
 
+pytest_plugins = ["tests.report"]  # the compatibility report at the end of every run
+
 
 def pytest_addoption(parser):
     group = parser.getgroup("fsdp-amp")
