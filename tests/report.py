@@ -152,8 +152,10 @@ def render(recs: list[dict], markdown: bool) -> str:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput"):  # xdist worker: the controller reports
         return
-    reports = [rep for key, reps in terminalreporter.stats.items() if key for rep in reps
-               if hasattr(rep, "user_properties")]
+    import pytest
+
+    reports = [rep for reps in terminalreporter.stats.values() for rep in reps
+               if isinstance(rep, pytest.TestReport)]  # stats also hold deselected items, warnings
     recs = records(reports)
     if not recs:
         return

@@ -1,0 +1,69 @@
+"""torch ShardedGradScaler with its scale on CPU grows the scale to inf, then skips every step.
+
+When the scale tensor lives on CPU (device="cpu", or a CPU loss under FSDP CPU offload), update()
+goes through ShardedGradScaler._amp_update_scale_cpu_, a Python copy of the torch._amp_update_scale_
+kernel without its isfinite check on the grown scale: float32 max * growth_factor becomes inf. From
+then on every scaled grad is inf or NaN, every step is skipped and every backoff is inf * 0.5 = inf:
+training silently stops for good. torch.amp.GradScaler("cpu") uses the kernel and keeps the scale.
+fairscale's ShardedGradScaler has the same Python copy (on a machine without CUDA it disables itself
+instead). Runs on CPU (torch 2.13): scale 2**127, growth_interval 1, three clean steps.
+
+    python tests/repro/test_cpu_scale_grows_to_inf.py
+"""
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from parameterized import parameterized  # noqa: E402
+
+from tests.harness import run_on_ranks  # noqa: E402
+from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa: E402
+from tests.scalers import make_scaler  # noqa: E402
+
+pytestmark = pytest.mark.repro
+HITS = known("without the isfinite check of torch._amp_update_scale_", {"torch_sharded", "fairscale_sharded"})
+TOP = 2.0**127  # float32 max is just under 2**128: one more growth is inf
+
+
+def _clean_steps_at_the_top(scaler, steps):
+    w = torch.nn.Parameter(torch.tensor([0.5, -0.25, 1.0]))
+    c = torch.tensor([0.25, 0.5, -1.0])  # grad of w; c * 2**127 is finite
+    opt = torch.optim.SGD([w], lr=2.0**-4)
+    s = make_scaler(scaler, device="cpu", init_scale=TOP, growth_factor=2.0, growth_interval=1)
+    scales, stepped = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        before = w.detach().clone()
+        s.scale((w * c).sum()).backward()
+        s.step(opt)
+        s.update()  # growth_interval 1: every clean step tries to grow the scale
+        scales.append(s.get_scale())
+        stepped.append(not torch.equal(before, w.detach()))
+    return scales, stepped
+
+
+def _pow2(x):
+    return f"2**{math.log2(x):g}" if math.isfinite(x) and x > 0 and math.log2(x).is_integer() else str(x)
+
+
+def clean_steps_at_the_top(scaler):
+    scales, stepped = run_on_ranks(_clean_steps_at_the_top, scaler, 3, world_size=1)[0]
+    return Outcome(any(s != TOP for s in scales),
+                   f"scale after each clean step [{', '.join(map(_pow2, scales))}], steps applied {stepped}",
+                   "growth skipped: scale stays [2**127, 2**127, 2**127], steps applied [True, True, True]")
+
+
+class TestCpuScaleGrowsToInf(ReproCase):
+    HITS = HITS
+
+    @parameterized.expand(SCALERS)
+    def test_growth_at_float32_max(self, scaler):
+        self.check(scaler, clean_steps_at_the_top)
+
+
+if __name__ == "__main__":
+    main(clean_steps_at_the_top, HITS, "Scale on CPU at 2**127, growth_interval 1, three clean steps")

@@ -1,0 +1,82 @@
+"""fairscale ShardedGradScaler on a machine without CUDA disables itself, then steps on inf grads.
+
+fairscale.optim.grad_scaler.ShardedGradScaler has no device argument. On a machine without CUDA its
+constructor sees amp_definitely_not_available(), warns "torch.cuda.amp.GradScaler is enabled, but
+CUDA is not available.  Disabling." and sets _enabled = False: is_enabled() is False, scale()
+returns the loss as it is and step() calls optimizer.step() whatever the grads hold, inf included.
+CPU training (FSDP on CPU with gloo) built with it has no overflow protection at all, and a warning
+is all that says so. The scalers that take a device, built with device="cpu", stay enabled and
+skip the step. Runs on CPU (fairscale 0.4.13, torch 2.13); on a machine with CUDA the bug does not
+apply and the file skips.
+
+    python tests/repro/test_fairscale_disables_itself_without_cuda.py
+"""
+import math
+import os
+import sys
+import unittest
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from parameterized import parameterized  # noqa: E402
+
+from tests.harness import run_on_ranks  # noqa: E402
+from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa: E402
+from tests.scalers import make_scaler  # noqa: E402
+
+pytestmark = pytest.mark.repro
+HITS = known("disables itself without CUDA", {"fairscale_sharded"})
+ONLY_WITHOUT_CUDA = ("fairscale's ShardedGradScaler disables itself only where CUDA is absent; "
+                     "torch sees a GPU here, so the bug does not apply")
+
+
+def _build(scaler):
+    if scaler == "fairscale_sharded":  # it has no device argument: this is the only way to build it
+        from fairscale.optim.grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(init_scale=256.0)
+    return make_scaler(scaler, device="cpu", init_scale=256.0)  # told its device, it stays enabled
+
+
+def _inf_step(scaler):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = _build(scaler)
+    s.scale(model(torch.ones(2, 4)).sum()).backward()
+    model.weight.grad[0, 0] = math.inf  # an overflow in backward
+    s.step(opt)
+    s.update()
+    return dict(enabled=s.is_enabled(), scale=s.get_scale(),
+                warned=[str(w.message) for w in caught if "Disabling" in str(w.message)],
+                stepped_on_inf=not torch.isfinite(model.weight).all().item())
+
+
+def inf_grad_on_cpu(scaler):
+    if torch.cuda.is_available():
+        pytest.skip(ONLY_WITHOUT_CUDA)
+    out = run_on_ranks(_inf_step, scaler, world_size=1)[0]
+    bug = not out["enabled"] or out["stepped_on_inf"]
+    warned = f" (warned {out['warned'][0]!r})" if out["warned"] else ""
+    return Outcome(bug, f"is_enabled() {out['enabled']}{warned}; step() "
+                        f"{'applied the inf grad (weight now non-finite)' if out['stepped_on_inf'] else 'skipped'}"
+                        f", scale {out['scale']}",
+                   "stays enabled, skips the step on the inf grad and backs off: scale 256.0 -> 128.0")
+
+
+@unittest.skipIf(torch.cuda.is_available(), ONLY_WITHOUT_CUDA)
+class TestFairscaleDisablesItselfWithoutCuda(ReproCase):
+    HITS = HITS
+
+    @parameterized.expand(SCALERS)
+    def test_inf_grad_on_a_machine_without_cuda(self, scaler):
+        self.check(scaler, inf_grad_on_cpu)
+
+
+if __name__ == "__main__":
+    main(inf_grad_on_cpu, HITS, "A scaler built on a machine without CUDA, then an inf grad (CPU)")
