@@ -13,9 +13,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.child_run import clean_env, junit_outcomes  # noqa: E402
 
 
 def main():
@@ -28,19 +30,11 @@ def main():
         cmd = [sys.executable, "-m", "pytest", "tests/matrix/test_matrix.py", "-m", "matrix", "-q", "-n", args.n,
                "-p", "no:cacheprovider", f"--junitxml={xml}", *extra] + (["-k", args.k] if args.k else [])
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True)
         wall = time.perf_counter() - t0
         if proc.returncode not in (0, 1):
             sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
-        counts = collections.Counter()
-        for case in ET.parse(xml).iter("testcase"):
-            impl = case.get("name").partition("[")[2].split("-")[0]
-            skipped = case.find("skipped")
-            if skipped is None:
-                counts[impl, "failed" if case.find("failure") is not None or case.find("error") is not None
-                       else "passed"] += 1
-            else:
-                counts[impl, "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"] += 1
+        counts = collections.Counter((params.split("-")[0], outcome) for _, params, outcome in junit_outcomes(xml))
     for impl in sorted({i for i, _ in counts}):
         print(f"{impl:10s} " + "  ".join(f"{o} {counts[impl, o]}" for o in ("passed", "xfailed", "failed", "skipped")))
     ran = sum(n for (_, o), n in counts.items() if o != "skipped")

@@ -112,10 +112,10 @@ def _scaler_order(spec: str):
 
 def headline(recs: list[dict]) -> str:
     total = collections.Counter(r["outcome"] for r in recs)
-    counts = ", ".join(f"{total[o]} {o}" for o in OUTCOMES) + " (the scaler checks tabled below)"
+    counts = ", ".join(f"{total[o]} {o}" for o in OUTCOMES) + " scaler checks"
     if total["failed"]:
         return f"UNEXPECTED OUTCOMES: {total['failed']} failed (failures, errors or strict xfails that passed); {counts}"
-    return f"All as expected: {counts} (xfailed = known upstream bugs, listed below)"
+    return f"All as expected: {counts}; xfailed = known upstream bugs, listed below"
 
 
 def known_bugs(recs: list[dict]) -> list[tuple[str, int, list[str]]]:

@@ -5,14 +5,13 @@ module; from its directory it runs this suite (as a git submodule checkout would
 `--scaler their_pkg.scalers:<factory>`. A correct scaler gets a green run; a broken one a red run
 that names the failed checks.
 """
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from tests.child_run import ROOT
+from tests.child_run import ROOT, clean_env
 
 pytestmark = [pytest.mark.gate, pytest.mark.slow]
 
@@ -53,8 +52,7 @@ def run_suite(project, factory):
     # the README's adoption command, run from the consumer's checkout
     cmd = [sys.executable, "-m", "pytest", ROOT, "-n", "2", "-m", "conformance or matrix", "-k", SLICE,
            "-p", "no:cacheprovider", "--scaler", f"their_pkg.scalers:{factory}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != "PYTEST_ADDOPTS"}
-    return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=project, env=clean_env(), capture_output=True, text=True, timeout=900)
 
 
 def test_their_correct_scaler_gets_a_green_run(consumer):

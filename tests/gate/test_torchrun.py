@@ -3,13 +3,12 @@ conformance suite and the matrix, with the harness running each body on the laun
 
 The control: the same slice against a scaler that never agrees across ranks must fail.
 """
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.child_run import ROOT
+from tests.child_run import ROOT, clean_env
 
 pytestmark = [pytest.mark.gate, pytest.mark.slow]
 
@@ -21,8 +20,7 @@ def torchrun(scaler):
     # no hang test in the slice: under torchrun a hang is bounded only by the process group's timeout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pytest",
            "-p", "no:xdist", "-p", "no:cacheprovider", "-q", *SLICE, "--scaler", scaler]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != "PYTEST_ADDOPTS"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
 
 
 def test_a_slice_runs_green_under_torchrun():
