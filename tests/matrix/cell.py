@@ -91,6 +91,8 @@ def full_params(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, value in model.state_dict().items():
         if hasattr(value, "full_tensor"):
+            if value.device.type == "cpu" and dist.get_backend() == "nccl":  # FSDP2 offload: NCCL gathers CUDA
+                value = value.to(rank_device())
             value = value.full_tensor()
         plain = ".".join(part for part in name.split(".") if not part.startswith("_") and part != "module")
         out[plain] = value.detach().float().cpu().clone()  # not an alias of the live param
