@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import os
 
+from tests.scalers import BUILTINS
+
 FAMILIES = {  # test file -> the column it counts in
     "test_single_process.py": "single rank",
     "test_ranks.py": "across ranks",
@@ -44,8 +46,7 @@ def label(item) -> None:
             item.user_properties += [("scaler", params["scaler"]), ("family", FAMILIES[os.path.basename(path)])]
     elif f"{os.sep}repro{os.sep}" in path:
         # parameterized.expand names a case test_<name>_<index>_<scaler>
-        scaler = next((s for s in ("fairscale_sharded", "torch_sharded", "torch_amp", "ours")
-                       if item.name.endswith("_" + s)), None)
+        scaler = next((s for s in sorted(BUILTINS, key=len, reverse=True) if item.name.endswith("_" + s)), None)
         if scaler:
             item.user_properties += [("scaler", scaler), ("family", "repro")]
 
@@ -106,7 +107,7 @@ def tables(recs: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def _scaler_order(spec: str):
-    builtin = ["ours", "torch_amp", "torch_sharded", "fairscale_sharded"]
+    builtin = list(BUILTINS)
     return (builtin.index(spec) if spec in builtin else len(builtin), spec)
 
 

@@ -47,22 +47,28 @@ BUILTINS: dict[str, Callable] = {
 }
 
 
-def resolve(spec: str) -> Callable:
-    """A built-in name or 'package.module:factory' -> the factory (clear errors for bad specs)."""
-    if spec in BUILTINS:
-        return BUILTINS[spec]
+def load_factory(option: str, spec: str, builtins: dict) -> Callable:
+    """A built-in name or 'package.module:factory' -> the factory, for --scaler and --fsdp alike
+    (clear errors naming the option for bad specs)."""
+    if spec in builtins:
+        return builtins[spec]
     if ":" not in spec:
-        raise ValueError(f"--scaler {spec!r}: not a built-in ({', '.join(BUILTINS)}) "
+        raise ValueError(f"{option} {spec!r}: not a built-in ({', '.join(builtins)}) "
                          f"and not of the form package.module:factory")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"--scaler {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise ValueError(f"{option} {spec!r}: cannot import module {module_name!r}: {exc}") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ValueError(f"--scaler {spec!r}: module {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"{option} {spec!r}: module {module_name!r} has no callable {attr!r}")
     return factory
+
+
+def resolve(spec: str) -> Callable:
+    """A --scaler spec -> its factory."""
+    return load_factory("--scaler", spec, BUILTINS)
 
 
 def make_scaler(spec: str, *, device: str, init_scale: float = 2.0**8, growth_factor: float = 2.0,

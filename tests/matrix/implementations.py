@@ -12,11 +12,12 @@ comparison are the matrix's.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from tests.scalers import load_factory
 
 
 @dataclass(frozen=True)
@@ -104,21 +105,8 @@ BUILTINS: dict[str, Callable] = {"fairscale": fairscale, "fsdp1": fsdp1, "fsdp2"
 
 
 def resolve(spec: str) -> Callable:
-    """A built-in name or 'package.module:factory' -> the factory (clear errors for bad specs)."""
-    if spec in BUILTINS:
-        return BUILTINS[spec]
-    module_name, colon, attr = spec.partition(":")
-    if not colon:
-        raise ValueError(f"--fsdp {spec!r}: not a built-in ({', '.join(BUILTINS)}) and not of the form "
-                         f"package.module:factory")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--fsdp {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"--fsdp {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return factory
+    """A --fsdp spec (a built-in name or package.module:factory) -> its factory."""
+    return load_factory("--fsdp", spec, BUILTINS)
 
 
 # ------------------------------------------------------------------ broken wrappers (for the teeth test)
