@@ -3,6 +3,8 @@ conformance suite and the matrix, with the harness running each body on the laun
 
 The control: the same slice against a scaler that never agrees across ranks must fail.
 """
+import glob
+import re
 import subprocess
 import sys
 
@@ -16,22 +18,34 @@ SLICE = ["tests/conformance/test_ranks.py", "tests/matrix/test_matrix.py", "-m",
          "-k", "not unmatched and (test_inf_on_some_ranks or test_ranks_keep or (ws2 and fsdp2 and nooffload))"]
 
 
-def torchrun(scaler):
+def torchrun(scaler, log_dir) -> tuple[int, list[str]]:
+    """(exit code, [each rank's pytest output]). Each rank writes its own log (--redirects 3):
+    two ranks printing to one pipe interleave their lines, so a console summary can't be parsed."""
     # no hang test in the slice: under torchrun a hang is bounded only by the process group's timeout
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pytest",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--log-dir={log_dir}", "--redirects=3", "-m", "pytest",
            "-p", "no:xdist", "-p", "no:cacheprovider", "-q", *SLICE, "--scaler", scaler]
-    return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    logs = sorted(glob.glob(f"{log_dir}/**/stdout.log", recursive=True))
+    assert len(logs) == 2, (logs, (proc.stdout + proc.stderr)[-5000:])
+    outs = [open(p).read() for p in logs]
+    return proc.returncode, outs
 
 
-def test_a_slice_runs_green_under_torchrun():
-    proc = torchrun("ours")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
-    finals = [line for line in out.splitlines() if " passed" in line and line.rstrip().endswith("s")]
-    assert len(finals) == 2 and all("failed" not in f for f in finals), finals  # one summary per rank
-    assert all(int(f.split(" passed")[0].split()[-1]) >= 10 for f in finals), finals
+def summary(out: str) -> dict:
+    """{'passed': n, 'failed': n, ...} from a pytest run's last line."""
+    return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", out.strip().splitlines()[-1])}
 
 
-def test_a_broken_scaler_fails_under_torchrun():
-    proc = torchrun("tests.conformance.mutants:no_agreement")
-    assert proc.returncode != 0 and "FAILED" in proc.stdout, (proc.stdout + proc.stderr)[-5000:]
+def test_a_slice_runs_green_under_torchrun(tmp_path):
+    rc, outs = torchrun("ours", tmp_path)
+    assert rc == 0, "\n".join(o[-3000:] for o in outs)
+    for out in outs:  # one summary per rank
+        counts = summary(out)
+        assert counts.get("passed", 0) >= 10 and not counts.get("failed") and not counts.get("error"), out[-3000:]
+
+
+def test_a_broken_scaler_fails_under_torchrun(tmp_path):
+    rc, outs = torchrun("tests.conformance.mutants:no_agreement", tmp_path)
+    assert rc != 0, "\n".join(o[-3000:] for o in outs)
+    assert all(summary(out).get("failed", 0) >= 1 for out in outs), "\n".join(o[-3000:] for o in outs)
