@@ -8,14 +8,22 @@ unscales and steps, and the master params are cast back into the low-precision c
 same with sharded fp32 params, so the two sides differ only in the order of the low-precision
 reduction (all-reduce vs reduce-scatter), not in what is computed.
 
-The schedule (STEPS steps) makes the scaler work in every cell: growth after GROWTH_INTERVAL clean
-steps; at INJECT_STEP an inf in one element of the last rank's local grad shard (every rank of the
-reference gets it: DDP grads are replicated); at OVERFLOW_STEP, in fp16 cells, rank 0's
-micro-batch overflows fp16 in the forward pass.
+The schedule (STEPS steps) makes the scaler do everything it is for, in every cell:
+  step 2         the scale grows (growth_interval 3; growth 4x and backoff 0.5x, so neither factor is
+                 the default nor the inverse of the other)
+  INJECT_STEP    +inf into one element of the LAST grad of the LAST rank's local shard
+  OVERFLOW_STEP  fp16 cells: rank 0's micro-batch overflows fp16 in the forward pass (inf and NaN);
+                 other cells: -inf into one element of the FIRST grad of rank 0's local shard
+  RESUME_AFTER   the FSDP side's scaler is rebuilt from its saved state_dict (a checkpoint resume)
+                 with its growth tracker at 1, so the growth at step 10 needs the tracker restored
+An injected value reaches every rank of the reference (DDP grads are replicated). The optimizer
+has two param groups (same hyperparameters, so FSDP's flat params need not split like DDP's):
+the injected grads sit in different groups.
 """
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import torch
@@ -30,7 +38,11 @@ from tests.scalers import make_scaler
 STEPS = 12
 INJECT_STEP = 4  # one clean step after the growth at step 2: a backoff must reset a non-zero tracker
 OVERFLOW_STEP = 7
-SCALER_ARGS = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+RESUME_AFTER = 8  # one clean step after the backoff at step 7: the tracker is 1
+SCALER_ARGS = dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.5, growth_interval=3)
+# step -> (rank, grad, value): an overflow as FSDP leaves it, in one element of one rank's local
+# shard; "first"/"last" rank and grad. Not at OVERFLOW_STEP in fp16 cells: the data overflows there.
+INJECTIONS = {INJECT_STEP: ("last", "last", math.inf), OVERFLOW_STEP: ("first", "first", -math.inf)}
 GLOBAL_BATCH = 16  # split evenly over 1, 2, 4 or 8 ranks
 LR = {"sgd": 0.05, "adamw": 0.01}
 MOMENTUM = 0.9
@@ -66,24 +78,39 @@ def micro_batch(step: int, rank: int, world_size: int, overflow: bool):
 
 
 def make_optimizer(kind: str, params):
+    """Two param groups, as real training has (decay / no decay), with the same hyperparameters."""
+    params = list(params)
+    half = len(params) // 2
+    groups = [{"params": g} for g in (params[:half], params[half:]) if g]
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=LR[kind], momentum=MOMENTUM)
-    return torch.optim.AdamW(params, lr=LR[kind], fused=True)
+        return torch.optim.SGD(groups, lr=LR[kind], momentum=MOMENTUM)
+    return torch.optim.AdamW(groups, lr=LR[kind], fused=True)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor -> this rank's shard
 
 
-def inject_inf_in_local_shard(params) -> str:
-    """inf into the middle element of the LAST param's local grad that has one (as FSDP leaves it)."""
-    for i, p in reversed(list(enumerate(params))):
+def inject_in_local_shard(params, which: str, value: float) -> str:
+    """value into the middle element of the first / last param's local grad that has one."""
+    order = list(enumerate(params))
+    for i, p in (order if which == "first" else reversed(order)):
         if p.grad is not None and _local(p.grad).numel() > 0:
             local = _local(p.grad)
             with torch.no_grad():
-                local.view(-1)[local.numel() // 2] = math.inf
-            return f"param {i} {tuple(local.shape)} on {local.device}"
+                local.view(-1)[local.numel() // 2] = value
+            return f"{value} into param {i} {tuple(local.shape)} on {local.device}"
     raise AssertionError("this rank holds no grad shard to inject into")
+
+
+def resume(scaler, scaler_spec: str, device: torch.device):
+    """A checkpoint round trip: state_dict -> torch.save -> torch.load -> a fresh scaler."""
+    buf = io.BytesIO()
+    torch.save(scaler.state_dict(), buf)
+    buf.seek(0)
+    fresh = make_scaler(scaler_spec, device=device.type, **SCALER_ARGS)
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    return fresh
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -172,20 +199,21 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
     clip = getattr(model, "clip_grad_norm_", None) or (
         lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     log = {side: {"loss": [], "stepped": [], "scale": []} for side in ("fsdp", "ref")}
-    injected = None
+    injected = {}
     for step in range(STEPS):
-        x, y = micro_batch(step, rank, world_size, overflow=dtype == torch.float16 and step == OVERFLOW_STEP
-                           and rank == 0)
+        data_overflow = dtype == torch.float16 and step == OVERFLOW_STEP
+        x, y = micro_batch(step, rank, world_size, overflow=data_overflow and rank == 0)
         x, y = x.to(device, dtype or torch.float32), y.to(device)
-        inject = step == INJECT_STEP
+        inject = None if data_overflow else INJECTIONS.get(step)
+        owner = None if inject is None else {"first": 0, "last": world_size - 1}[inject[0]]
 
         # --- FSDP side, the scaler under test
         opt.zero_grad(set_to_none=True)
         loss = F.mse_loss(model(x).float(), y)
         scaled = scaler.scale(loss.to(next(model.parameters()).device) if seed_path else loss)
         scaled.backward()
-        if inject and rank == world_size - 1:
-            injected = inject_inf_in_local_shard(fsdp_params)
+        if inject and rank == owner:
+            injected[step] = inject_in_local_shard(fsdp_params, *inject[1:])
         if cell.clip == "clip":
             scaler.unscale_(opt)
             clip(MAX_NORM)
@@ -193,12 +221,14 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
         scaler.step(opt)
         scaler.update()
         _record(log["fsdp"], loss, fsdp_params, before, scaler)
+        if step == RESUME_AFTER:
+            scaler = resume(scaler, scaler_spec, device)
 
         # --- the reference: DDP, torch.amp.GradScaler, the inf on every rank (grads are replicated)
         ref.opt.zero_grad(set_to_none=True)
         ref_loss = ref.backward(x, y)
         if inject:
-            inject_inf_in_local_shard(ref_params)
+            inject_in_local_shard(ref_params, *inject[1:])
         if cell.clip == "clip":
             ref.scaler.unscale_(ref.opt)
             torch.nn.utils.clip_grad_norm_(ref.master.parameters(), MAX_NORM)

@@ -14,7 +14,7 @@ import torch
 
 from tests.harness import run_on_ranks
 from tests.matrix import axes, implementations
-from tests.matrix.cell import INJECT_STEP, OVERFLOW_STEP, SCALER_ARGS, STEPS, train_cell
+from tests.matrix.cell import INJECTIONS, OVERFLOW_STEP, RESUME_AFTER, SCALER_ARGS, STEPS, train_cell
 from tests.scalers import BUILTINS as BUILTIN_SCALERS
 
 pytestmark = pytest.mark.matrix
@@ -81,10 +81,13 @@ def divergence(cell, out) -> str | None:
 
 
 def _event(step, cell, r) -> str:
-    if step == INJECT_STEP:
-        return f" (inf injected on the last rank into {r['injected'] or 'another rank'})"
     if step == OVERFLOW_STEP and cell.precision == "fp16":
         return " (rank 0's micro-batch overflows fp16)"
+    if step in INJECTIONS:
+        rank, _, value = INJECTIONS[step]
+        return f" ({value} injected on the {rank} rank: {r['injected'].get(step, 'this rank: none')})"
+    if step > RESUME_AFTER:
+        return f" (the FSDP side's scaler was resumed from its state_dict after step {RESUME_AFTER})"
     return ""
 
 

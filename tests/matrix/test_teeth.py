@@ -12,15 +12,22 @@ from tests.child_run import child_run
 pytestmark = [pytest.mark.matrix, pytest.mark.slow]
 
 SLICE = "ws2 and (fsdp1 or fsdp2)"
-MUTANTS = [  # tests/conformance/mutants.py: the defects FSDP training with an injected inf must expose
+MUTANTS = [  # tests/conformance/mutants.py: the defects the matrix's schedule (cell.py) must expose
     "no_agreement",                 # ranks decide alone: the rank without the inf steps
     "backoff_only_if_exactly_one",  # both ranks see the fp16 overflow: found_inf sums to 2.0
     "agrees_only_in_step",          # the clipping path's unscale_ decides alone
-    "checks_first_grad_only",       # the inf sits in the last grad of the shard
+    "checks_first_grad_only",       # the +inf sits in the last grad of the shard
+    "first_param_group_only",       # ... which is in the second param group
+    "misses_nan",                   # fp16 cells: the overflowing micro-batch makes NaN
+    "misses_negative_inf",          # the injection at step 7 in fp32/bf16 cells
+    "unscales_twice",               # clip cells
     "steps_on_inf",
     "stale_scale_after_backoff",
     "tracker_not_reset_on_backoff",
     "grows_one_step_late",
+    "hardcoded_growth_factor",      # growth 4x
+    "backoff_is_inverse_growth",    # backoff 0.5x, not 1/4
+    "state_dict_forgets_tracker",   # the resume after step 8
     "init_scale_ignored",
     "ignores_d_tensor_grads",       # FSDP2 cells
 ]
