@@ -85,7 +85,8 @@ def _event(step, cell, r) -> str:
         return " (rank 0's micro-batch overflows fp16)"
     if step in INJECTIONS:
         rank, _, value = INJECTIONS[step]
-        return f" ({value} injected on the {rank} rank: {r['injected'].get(step, 'this rank: none')})"
+        here = r["injected"].get(step)
+        return f" ({value} injected on the {rank} rank" + (f": {here})" if here else ", not this one)")
     if step > RESUME_AFTER:
         return f" (the FSDP side's scaler was resumed from its state_dict after step {RESUME_AFTER})"
     return ""
