@@ -221,8 +221,6 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
         scaler.step(opt)
         scaler.update()
         _record(log["fsdp"], loss, fsdp_params, before, scaler)
-        if step == RESUME_AFTER:
-            scaler = resume(scaler, scaler_spec, device)
 
         # --- the reference: DDP, torch.amp.GradScaler, the inf on every rank (grads are replicated)
         ref.opt.zero_grad(set_to_none=True)
@@ -237,6 +235,12 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
         ref.scaler.update()
         ref.sync_replica()
         _record(log["ref"], ref_loss, ref_params, before, ref.scaler)
+        if step == RESUME_AFTER:
+            try:
+                scaler = resume(scaler, scaler_spec, device)
+            except Exception as exc:  # noqa: BLE001 - reported after any earlier divergence (the likelier cause)
+                return dict(log=log, injected=injected, crashed=f"resuming the FSDP side's scaler from its state_dict "
+                            f"after step {step} raised {type(exc).__name__}: {exc}")
 
     grad_devices = sorted({str(_local(p.grad).device) for p in model.parameters() if p.grad is not None})
     grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})

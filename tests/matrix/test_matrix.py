@@ -14,7 +14,7 @@ import torch
 
 from tests.harness import run_on_ranks
 from tests.matrix import axes, implementations
-from tests.matrix.cell import INJECTIONS, OVERFLOW_STEP, RESUME_AFTER, SCALER_ARGS, STEPS, train_cell
+from tests.matrix.cell import INJECTIONS, OVERFLOW_STEP, RESUME_AFTER, SCALER_ARGS, train_cell
 from tests.scalers import BUILTINS as BUILTIN_SCALERS
 
 pytestmark = pytest.mark.matrix
@@ -53,7 +53,7 @@ def _close(a: float, b: float, rtol: float, atol: float) -> bool:
 def divergence(cell, out) -> str | None:
     """Where FSDP and DDP first diverged: step, rank, quantity, both values (None: they agree)."""
     rtol, atol = TOLERANCE[cell.precision]
-    for step in range(STEPS):
+    for step in range(_steps_run(out)):
         for rank, r in enumerate(out):
             f, d = r["log"]["fsdp"], r["log"]["ref"]
             where = f"step {step}{_event(step, cell, r)}, rank {rank}"
@@ -65,6 +65,9 @@ def divergence(cell, out) -> str | None:
                         f"{word[d['stepped'][step]]}")
             if f["scale"][step] != d["scale"][step]:
                 return f"FSDP and DDP diverged first at {where}: scale after update() FSDP {f['scale'][step]!r} vs DDP {d['scale'][step]!r}"
+    crashed = next((f"rank {rank}: {r['crashed']}" for rank, r in enumerate(out) if "crashed" in r), None)
+    if crashed:
+        return crashed
     for what, label in (("params", "parameter"), ("probe", "optimizer state (param after a zero-grad probe step)")):
         for rank, r in enumerate(out):
             mine, ref = r[what]["fsdp"], r[what]["ref"]
@@ -78,6 +81,11 @@ def divergence(cell, out) -> str | None:
                             f"{a.view(-1)[i].item()!r} vs DDP {b.view(-1)[i].item()!r}" if a.shape == b.shape else
                             f"rank {rank}: {label} {name!r} has shape {tuple(a.shape)} under FSDP, {tuple(b.shape)} under DDP")
     return None
+
+
+def _steps_run(out) -> int:
+    """STEPS, or fewer where a rank stopped early (its scaler could not be resumed)."""
+    return min(len(r["log"][side]["loss"]) for r in out for side in ("fsdp", "ref"))
 
 
 def _event(step, cell, r) -> str:
@@ -105,14 +113,15 @@ def scaler_idle(out) -> str | None:
 
 def step_table(out) -> str:
     lines = ["step  rank  loss FSDP / DDP                     stepped F/D   scale F/D"]
-    for step in range(STEPS):
+    for step in range(_steps_run(out)):
         for rank, r in enumerate(out):
             f, d = r["log"]["fsdp"], r["log"]["ref"]
             mark = "" if (f["stepped"][step], f["scale"][step]) == (d["stepped"][step], d["scale"][step]) else "  <-"
             lines.append(f"{step:4d}  {rank:4d}  {f['loss'][step]:<16.9g}/ {d['loss'][step]:<16.9g}  "
                          f"{f['stepped'][step]!s:5}/{d['stepped'][step]!s:5}  {f['scale'][step]:g}/{d['scale'][step]:g}{mark}")
     r0 = out[0]
-    lines.append(f"FSDP grads on rank 0: devices {r0['grad_devices']}, dtypes {r0['grad_dtypes']}")
+    if "grad_devices" in r0:
+        lines.append(f"FSDP grads on rank 0: devices {r0['grad_devices']}, dtypes {r0['grad_dtypes']}")
     return "\n".join(lines)
 
 
