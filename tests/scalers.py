@@ -130,7 +130,7 @@ def _param(params: dict, name: str, cuda: bool):
         return params.get(name)
     if name == "placement":
         return cell_placement(params["cell"], cuda)
-    return getattr(params["cell"], name)
+    return getattr(params["cell"], name, None)
 
 
 def _where(**conditions):
@@ -152,18 +152,27 @@ def _where(**conditions):
     return when
 
 
+def _any(*whens):
+    """when= for KnownBug: any of several _where conditions (one bug, several ways to meet it)."""
+    return lambda params, cuda: any(w(params, cuda) for w in whens)
+
+
 KNOWN_BUGS = [
     _bug({"fairscale_sharded"}, EVERY_TEST,
          "fairscale ShardedGradScaler silently disables itself without CUDA (amp_definitely_not_available) "
          "and then steps on inf grads; it has no device argument",
          when=lambda params, cuda: not cuda),
-    _bug({"torch_amp"}, UNSCALE_TESTS,
+    _bug({"torch_amp"}, UNSCALE_TESTS | {MATRIX},
          "torch.amp.GradScaler refuses fp16 grads by design (ValueError: Attempting to unscale FP16 gradients.), "
-         "which FSDP mixed precision without offload produces", when=_where(dtype="float16")),
-    _bug({"torch_amp", "torch_sharded", "fairscale_sharded"}, UNSCALE_TESTS,
+         "which FSDP mixed precision without offload produces (fairscale; FSDP1 keep_low_precision_grads)",
+         when=_any(_where(dtype="float16"), _where(precision="fp16", grads="keeplow"))),
+    _bug({"torch_amp", "torch_sharded", "fairscale_sharded"}, UNSCALE_TESTS | {MATRIX},
          "FINDINGS bug 5: torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16 "
-         "(NotImplementedError ... not implemented for 'BFloat16'), so bf16 grads on CUDA crash the scaler",
-         when=_where(dtype="bfloat16", placement=("cuda", "mixed"))),
+         "(NotImplementedError ... not implemented for 'BFloat16'), so bf16 grads on CUDA crash the scaler "
+         "(fairscale FSDP with compute_dtype bf16 and no offload at world size 1; FSDP1 keep_low_precision_grads)",
+         when=_any(_where(dtype="bfloat16", placement=("cuda", "mixed")),
+                   _where(impl="fairscale", offload="nooffload", precision="bf16", world_size=1, placement="cuda"),
+                   _where(precision="bf16", grads="keeplow", placement="cuda"))),
     _bug({"torch_amp"}, NOT_SHARD_AWARE,
          "torch.amp.GradScaler does not agree on found_inf across ranks (it relies on DDP's all-reduced grads): "
          "with sharded grads an inf on one rank makes only that rank skip and back off",
@@ -232,10 +241,6 @@ KNOWN_BUGS = [
          "fairscale ShardedGradScaler.step passes grad_scaler=self to an optimizer that supports AMP scaling "
          "(fused AdamW), whose step() no longer takes it: TypeError: Adam.step() got an unexpected keyword "
          "argument 'grad_scaler'", when=_where(optimizer="adamw")),
-    _bug({"torch_amp", "torch_sharded", "fairscale_sharded"}, {MATRIX},
-         "FINDINGS bug 5: torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16; fairscale "
-         "FSDP with compute_dtype bf16 and no offload leaves bf16 grads on the GPU at world size 1",
-         when=_where(impl="fairscale", offload="nooffload", precision="bf16", world_size=1)),
     _bug(None, {MATRIX},
          "fairscale FSDP bug: with mixed_precision and no offload at world size 1 the fp32 params get fp16/bf16 grads; "
          "foreach SGD (flatten_parameters=False) and fused AdamW reject them: 'Tensors of the same index must be on "

@@ -24,11 +24,22 @@ AXES = {
                                                # FSDP2 has one mode (orig)
     "reshard": ("reshard", "noreshard"),       # reshard after forward (FSDP1: FULL_SHARD vs SHARD_GRAD_OP)
     "optimizer": ("sgd", "adamw"),             # SGD + momentum (Adam hides scale errors); AdamW fused=True
+    "grads": ("upcast", "keeplow"),            # grads the scaler and optimizer see: upcast to fp32, or kept in
+                                               # the reduce dtype (FSDP1 keep_low_precision_grads; SGD then
+                                               # runs without foreach, which rejects fp16 grads on fp32 params)
     "clip": ("noclip", "clip"),                # clip: unscale_, then the implementation's clip_grad_norm_
 }
 FULL = ("impl", "offload", "precision", "wrapping", "world_size")
-PAIRWISE = ("params", "reshard", "optimizer", "clip")
-ONLY = {("fsdp2", "params"): ("orig",)}  # (implementation, axis) -> the values it has; others are invalid
+PAIRWISE = ("params", "reshard", "optimizer", "grads", "clip")
+ONLY = {  # (implementation, axis) -> the values it has; others are invalid
+    ("fsdp2", "params"): ("orig",),
+    ("fsdp2", "grads"): ("upcast",),      # no keep_low_precision_grads in FSDP2
+    ("fairscale", "grads"): ("upcast",),  # no such option (its no-offload mixed precision keeps them low anyway)
+}
+EXCLUDED = {  # pairs of values no cell has: {(axis, value), (axis, value)} -> why
+    frozenset({("grads", "keeplow"), ("precision", "fp32")}): "fp32 grads are already full precision",
+    frozenset({("grads", "keeplow"), ("optimizer", "adamw")}): "fused AdamW needs grads in its params' dtype",
+}
 
 
 def comparable(config: dict) -> bool:
@@ -37,6 +48,11 @@ def comparable(config: dict) -> bool:
     (seen: 0.011 on the H200, 0.0012 on CPU), so no tolerance derived from the dtype holds. AdamW still
     meets every world size in fp32 and every precision at world sizes 1 and 2 (bit-identical sums)."""
     return not (config["optimizer"] == "adamw" and config["precision"] != "fp32" and config["world_size"] >= 4)
+
+
+def valid(config: dict) -> bool:
+    """A configuration the matrix generates: comparable, and no EXCLUDED pair of values."""
+    return comparable(config) and not any(pair <= set(config.items()) for pair in EXCLUDED)
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,7 @@ class Cell:
     params: str
     reshard: str
     optimizer: str
+    grads: str
     clip: str
 
     @property
@@ -77,7 +94,7 @@ def cells(impls=AXES["impl"]) -> list[Cell]:
         for core in itertools.product(*(AXES[a] if a != "impl" else (impl,) for a in FULL)):
             base = dict(zip(FULL, core))
             options = [extra for extra in itertools.product(*(_allowed(impl, a) for a in PAIRWISE))
-                       if comparable({**base, **dict(zip(PAIRWISE, extra))})]
+                       if valid({**base, **dict(zip(PAIRWISE, extra))})]
             best = max(options, key=lambda extra: (len(_pairs({**base, **dict(zip(PAIRWISE, extra))}) & uncovered),
                                                    -used[extra]))
             used[best] += 1
@@ -90,7 +107,7 @@ def cells(impls=AXES["impl"]) -> list[Cell]:
 def _valid_pairs(impl: str) -> set:
     values = {a: (impl,) if a == "impl" else _allowed(impl, a) for a in FULL + PAIRWISE}
     return {((a, va), (b, vb)) for a, b in itertools.combinations(FULL + PAIRWISE, 2) if a in PAIRWISE or b in PAIRWISE
-            for va in values[a] for vb in values[b]}
+            for va in values[a] for vb in values[b] if frozenset({(a, va), (b, vb)}) not in EXCLUDED}
 
 
 def _pairs(config: dict) -> set:

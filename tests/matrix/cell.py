@@ -77,13 +77,13 @@ def micro_batch(step: int, rank: int, world_size: int, overflow: bool):
     return (x * 1e5 if overflow else x), y  # 1e5 > fp16 max (65504): the input itself overflows
 
 
-def make_optimizer(kind: str, params):
+def make_optimizer(kind: str, params, low_precision_grads: bool):
     """Two param groups, as real training has (decay / no decay), with the same hyperparameters."""
     params = list(params)
     half = len(params) // 2
     groups = [{"params": g} for g in (params[:half], params[half:]) if g]
-    if kind == "sgd":
-        return torch.optim.SGD(groups, lr=LR[kind], momentum=MOMENTUM)
+    if kind == "sgd":  # foreach rejects fp16/bf16 grads on fp32 params
+        return torch.optim.SGD(groups, lr=LR[kind], momentum=MOMENTUM, foreach=not low_precision_grads)
     return torch.optim.AdamW(groups, lr=LR[kind], fused=True)
 
 
@@ -130,7 +130,10 @@ def _zero_grad_probe(model, opt) -> dict[str, torch.Tensor]:
     """One optimizer step on zero grads moves each param by -lr * momentum * its momentum buffer
     (SGD; AdamW by its moment estimates): the gathered params after it expose the optimizer state."""
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.grad is not None:
+            p.grad.zero_()  # in place: keeps its dtype and FSDP1's views into the flat grad
+        elif _local(p).numel():
+            p.grad = torch.zeros_like(p)
     opt.step()
     return full_params(model)
 
@@ -145,7 +148,12 @@ def _changed(params, before) -> bool:
 
 
 class Reference:
-    """DDP over a low-precision replica; fp32 master params own the optimizer; torch.amp.GradScaler."""
+    """DDP over a low-precision replica; fp32 master params own the optimizer; torch.amp.GradScaler.
+
+    In keeplow cells the FSDP side's optimizer gets grads in the cell's dtype (so its momentum
+    buffers are in that dtype too): the reference unscales (and clips) fp32 grads, which the trusted
+    scaler requires, then rounds them to that dtype before the optimizer step. Unscaling by a power
+    of two is exact, so both sides hand their optimizers the same values."""
 
     def __init__(self, base: nn.Module, cell, device: torch.device):
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -154,7 +162,8 @@ class Reference:
         self.master = copy.deepcopy(base).to(device)
         self.replica = copy.deepcopy(self.master).to(dtype or torch.float32)
         self.ddp = DDP(self.replica, device_ids=[device] if device.type == "cuda" else None)
-        self.opt = make_optimizer(cell.optimizer, self.master.parameters())
+        self.low_grads = dtype if cell.grads == "keeplow" else None
+        self.opt = make_optimizer(cell.optimizer, self.master.parameters(), self.low_grads is not None)
         self.scaler = torch.amp.GradScaler(device.type, **SCALER_ARGS)
 
     def backward(self, x, y) -> torch.Tensor:
@@ -164,6 +173,18 @@ class Reference:
             master.grad = None if low.grad is None else low.grad.float()
             low.grad = None
         return loss
+
+    def unscale_clip_step(self, clip: bool):
+        if clip or self.low_grads:
+            self.scaler.unscale_(self.opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(self.master.parameters(), MAX_NORM)
+        if self.low_grads:
+            for p in self.master.parameters():
+                if p.grad is not None:  # through .data, as FSDP1 does: .grad itself must match the param's dtype
+                    p.grad.data = p.grad.data.to(self.low_grads)
+        self.scaler.step(self.opt)
+        self.scaler.update()
 
     def sync_replica(self):
         with torch.no_grad():
@@ -184,12 +205,12 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
     base = build_model()
     settings = Settings(device=device, dtype=dtype, offload=cell.offload == "offload",
                         nested=cell.wrapping == "nested", block_cls=Block, flat_params=cell.params == "flat",
-                        reshard=cell.reshard == "reshard")
+                        reshard=cell.reshard == "reshard", low_precision_grads=cell.grads == "keeplow")
     try:
         model = resolve(impl_spec)(copy.deepcopy(base), settings)
     except NotImplementedError as exc:  # the wrapper cannot build this configuration here
         return dict(unsupported=f"{impl_spec}: {exc}")
-    opt = make_optimizer(cell.optimizer, model.parameters())
+    opt = make_optimizer(cell.optimizer, model.parameters(), settings.low_precision_grads)
     scaler = make_scaler(scaler_spec, device=device.type, **SCALER_ARGS)
     ref = Reference(base, cell, device)
     fsdp_params, ref_params = list(model.parameters()), list(ref.master.parameters())
@@ -227,12 +248,8 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
         ref_loss = ref.backward(x, y)
         if inject:
             inject_in_local_shard(ref_params, *inject[1:])
-        if cell.clip == "clip":
-            ref.scaler.unscale_(ref.opt)
-            torch.nn.utils.clip_grad_norm_(ref.master.parameters(), MAX_NORM)
         before = _local_params(ref_params)
-        ref.scaler.step(ref.opt)
-        ref.scaler.update()
+        ref.unscale_clip_step(cell.clip == "clip")
         ref.sync_replica()
         _record(log["ref"], ref_loss, ref_params, before, ref.scaler)
         if step == RESUME_AFTER:

@@ -29,6 +29,8 @@ class Settings:
     block_cls: type           # the block class of the model
     flat_params: bool         # one flat parameter per wrapped unit (else the original parameters)
     reshard: bool             # free the full params after forward (re-gather in backward)
+    low_precision_grads: bool = False  # leave the grads in dtype for the scaler and optimizer
+                                       # (FSDP1 keep_low_precision_grads); else upcast to fp32
 
 
 def _blocks_innermost_first(module, block_cls):
@@ -54,7 +56,8 @@ def fsdp1(module, s: Settings):
         raise NotImplementedError("FSDP1 CPUOffload needs an accelerator (pin_memory)")
     return FSDP(module.to(s.device), device_id=s.device, use_orig_params=not s.flat_params,
                 sharding_strategy=ShardingStrategy.FULL_SHARD if s.reshard else ShardingStrategy.SHARD_GRAD_OP,
-                mixed_precision=MixedPrecision(param_dtype=s.dtype, reduce_dtype=s.dtype) if s.dtype else None,
+                mixed_precision=MixedPrecision(param_dtype=s.dtype, reduce_dtype=s.dtype,
+                                               keep_low_precision_grads=s.low_precision_grads) if s.dtype else None,
                 cpu_offload=CPUOffload(offload_params=True) if s.offload else None,
                 auto_wrap_policy=ModuleWrapPolicy({s.block_cls}) if s.nested else None)
 
@@ -75,6 +78,8 @@ def fsdp2(module, s: Settings):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if s.low_precision_grads:
+        raise NotImplementedError("FSDP2 always gives the optimizer grads in the params' dtype")
     mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
     kw = dict(mesh=mesh, reshard_after_forward=s.reshard)
     if s.dtype:
@@ -92,6 +97,8 @@ def fsdp2(module, s: Settings):
 def fairscale(module, s: Settings):
     from fairscale.nn.data_parallel import FullyShardedDataParallel as FS
 
+    if s.low_precision_grads:
+        raise NotImplementedError("fairscale FSDP has no option to keep low-precision grads")
     kw = dict(reshard_after_forward=s.reshard, flatten_parameters=s.flat_params,
               mixed_precision=s.dtype is not None, compute_dtype=s.dtype, cpu_offload=s.offload,
               move_grads_to_cpu=s.offload, compute_device=s.device)

@@ -20,14 +20,16 @@ def test_every_valid_pair_is_covered_by_each_implementation(impl):
 
 def test_invalid_combinations_are_not_generated():
     assert {c.params for c in axes.cells() if c.impl == "fsdp2"} == {"orig"}
-    assert all(axes.comparable(vars(c)) for c in axes.cells())
+    assert {c.grads for c in axes.cells() if c.impl != "fsdp1"} == {"upcast"}
+    assert all(axes.valid(vars(c)) for c in axes.cells())
+    assert not [c for c in axes.cells() if c.grads == "keeplow" and (c.precision == "fp32" or c.optimizer == "adamw")]
 
 
 def test_ids_are_unique_and_read_like_the_config():
     cells = axes.cells()
     assert len({c.id for c in cells}) == len(cells)
-    c = axes.Cell("fsdp1", "offload", "fp16", "nested", 2, "orig", "reshard", "sgd", "clip")
-    assert c.id == "fsdp1-offload-fp16-nested-ws2-orig-reshard-sgd-clip"
+    c = axes.Cell("fsdp1", "offload", "fp16", "nested", 2, "orig", "reshard", "sgd", "keeplow", "clip")
+    assert c.id == "fsdp1-offload-fp16-nested-ws2-orig-reshard-sgd-keeplow-clip"
 
 
 def test_a_plugged_implementation_replaces_the_axis():

@@ -1,8 +1,9 @@
 """The matrix catches defects inside real FSDP training: planted scalers and broken wrappers fail cells.
 
 A representative slice (every CPU-runnable cell at world size 2: FSDP1 and FSDP2, offload on and
-off, fp32/fp16/bf16, SGD and fused AdamW, with and without clipping) runs in a child pytest against
-`ours` (the control: it must pass every cell) and the mutant scalers a real FSDP run should expose;
+off, fp32/fp16/bf16, SGD and fused AdamW, grads upcast or kept low, with and without clipping)
+runs in a child pytest against `ours` (the control: it must pass every cell) and the mutant
+scalers a real FSDP run should expose;
 then the same slice with `ours` under plugged wrappers: a correct one passes, broken ones fail.
 """
 import pytest
@@ -19,6 +20,8 @@ MUTANTS = [  # tests/conformance/mutants.py: the defects the matrix's schedule (
     "checks_first_grad_only",       # the +inf sits in the last grad of the shard
     "first_param_group_only",       # ... which is in the second param group
     "misses_nan",                   # fp16 cells: the overflowing micro-batch makes NaN
+    "skips_low_precision_check",    # keeplow cells: FSDP1 hands the scaler fp16/bf16 grads
+    "leaves_half_grads_scaled",
     "misses_negative_inf",          # the injection at step 7 in fp32/bf16 cells
     "unscales_twice",               # clip cells
     "steps_on_inf",
