@@ -17,8 +17,8 @@ The schedule (STEPS steps) makes the scaler do everything it is for, in every ce
   RESUME_AFTER   the FSDP side's scaler is rebuilt from its saved state_dict (a checkpoint resume)
                  with its growth tracker at 1, so the growth at step 10 needs the tracker restored
 An injected value reaches every rank of the reference (DDP grads are replicated). The optimizer
-has two param groups (same hyperparameters, so FSDP's flat params need not split like DDP's):
-the injected grads sit in different groups.
+has two param groups wherever there are two params (same hyperparameters, so FSDP's flat params
+need not split like DDP's): the injected grads sit in different groups.
 """
 from __future__ import annotations
 
