@@ -36,10 +36,15 @@ def scaler_specs(config) -> list:
 
 
 def pytest_configure(config):
-    ranks.configure(isolate=config.getoption("--isolate-ranks"),
-                    timeout=config.getoption("--rank-timeout"))
+    timeout = config.getoption("--rank-timeout")
+    if not timeout > 0:
+        raise pytest.UsageError(f"--rank-timeout {timeout}: must be a positive number of seconds")
+    ranks.configure(isolate=config.getoption("--isolate-ranks"), timeout=timeout)
     for spec in scaler_specs(config):
-        resolve(spec)  # a bad --scaler is a clear usage error at start-up, not 300 failures
+        try:
+            resolve(spec)  # a bad --scaler is a clear usage error at start-up, not 300 failures
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_generate_tests(metafunc):

@@ -71,6 +71,9 @@ def resolve(spec: str) -> Callable:
     return load_factory("--scaler", spec, BUILTINS)
 
 
+SCALER_API = ("scale", "unscale_", "step", "update", "get_scale", "is_enabled", "state_dict", "load_state_dict")
+
+
 def make_scaler(spec: str, *, device: str, init_scale: float = 2.0**8, growth_factor: float = 2.0,
                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
                 process_group=None):
@@ -78,6 +81,10 @@ def make_scaler(spec: str, *, device: str, init_scale: float = 2.0**8, growth_fa
     scaler = resolve(spec)(device=device, init_scale=init_scale, growth_factor=growth_factor,
                            backoff_factor=backoff_factor, growth_interval=growth_interval,
                            enabled=enabled, process_group=process_group)
+    missing = [name for name in SCALER_API if not callable(getattr(scaler, name, None))]
+    if missing:
+        raise TypeError(f"scaler {spec!r}: its factory returned an object of type {type(scaler).__name__}, "
+                        f"which lacks {', '.join(missing)} of the torch.amp.GradScaler API")
     if enabled and not scaler.is_enabled():
         raise AssertionError(f"scaler {spec!r} was built with enabled=True but reports is_enabled() == False: "
                              f"it disabled itself and would step on inf/NaN grads")

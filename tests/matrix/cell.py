@@ -210,6 +210,9 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
         model = resolve(impl_spec)(copy.deepcopy(base), settings)
     except NotImplementedError as exc:  # the wrapper cannot build this configuration here
         return dict(unsupported=f"{impl_spec}: {exc}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"--fsdp {impl_spec}: factory(module, settings) returned an object of type "
+                        f"{type(model).__name__}, not the wrapped torch.nn.Module")
     opt = make_optimizer(cell.optimizer, model.parameters(), settings.low_precision_grads)
     scaler = make_scaler(scaler_spec, device=device.type, **SCALER_ARGS)
     ref = Reference(base, cell, device)

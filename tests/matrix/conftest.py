@@ -11,7 +11,10 @@ def _impls(config):
 
 def pytest_configure(config):
     for spec in config.getoption("--fsdp"):
-        implementations.resolve(spec)  # a bad --fsdp is a usage error at start-up
+        try:
+            implementations.resolve(spec)  # a bad --fsdp is a usage error at start-up
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_generate_tests(metafunc):
