@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.harness import ranks
+from tests.matrix import implementations
 from tests.scalers import BUILTINS, known_bug, resolve, skip_reason
 
 pytest_plugins = ["tests.report"]  # the compatibility report at the end of every run
@@ -40,9 +41,12 @@ def pytest_configure(config):
     if not timeout > 0:
         raise pytest.UsageError(f"--rank-timeout {timeout}: must be a positive number of seconds")
     ranks.configure(isolate=config.getoption("--isolate-ranks"), timeout=timeout)
-    for spec in scaler_specs(config):
+    # a bad --scaler or --fsdp is a clear usage error at start-up, not 300 failures
+    specs = ([(resolve, s) for s in scaler_specs(config)]
+             + [(implementations.resolve, s) for s in config.getoption("--fsdp")])
+    for resolve_spec, spec in specs:
         try:
-            resolve(spec)  # a bad --scaler is a clear usage error at start-up, not 300 failures
+            resolve_spec(spec)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
 

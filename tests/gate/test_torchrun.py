@@ -3,10 +3,10 @@ conformance suite and the matrix, with the harness running each body on the laun
 
 The control: the same slice against a scaler that never agrees across ranks must fail.
 """
-import glob
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,10 +26,9 @@ def torchrun(scaler, log_dir) -> tuple[int, list[str]]:
            f"--log-dir={log_dir}", "--redirects=3", "-m", "pytest",
            "-p", "no:xdist", "-p", "no:cacheprovider", "-q", *SLICE, "--scaler", scaler]
     proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
-    logs = sorted(glob.glob(f"{log_dir}/**/stdout.log", recursive=True))
+    logs = sorted(Path(log_dir).rglob("stdout.log"))
     assert len(logs) == 2, (logs, (proc.stdout + proc.stderr)[-5000:])
-    outs = [open(p).read() for p in logs]
-    return proc.returncode, outs
+    return proc.returncode, [p.read_text() for p in logs]
 
 
 def summary(out: str) -> dict:

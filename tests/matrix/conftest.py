@@ -9,14 +9,6 @@ def _impls(config):
     return config.getoption("--fsdp") or list(implementations.BUILTINS)
 
 
-def pytest_configure(config):
-    for spec in config.getoption("--fsdp"):
-        try:
-            implementations.resolve(spec)  # a bad --fsdp is a usage error at start-up
-        except ValueError as exc:
-            raise pytest.UsageError(str(exc)) from None
-
-
 def pytest_generate_tests(metafunc):
     if "cell" in metafunc.fixturenames:
         generated = axes.cells(_impls(metafunc.config))
