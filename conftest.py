@@ -11,7 +11,7 @@ from tests.harness import ranks
 from tests.matrix import implementations
 from tests.scalers import BUILTINS, known_bug, resolve, skip_reason
 
-pytest_plugins = ["tests.report"]  # the compatibility report at the end of every run
+pytest_plugins = ["tests.report", "pytester"]  # the compatibility report at the end of every run; child runs
 
 
 def pytest_addoption(parser):
@@ -58,6 +58,13 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
+    # before -m/-k deselect anything (conftest hooks run before the mark plugin's): the tables that
+    # name tests are checked against this (tests/test_tables.py), when it is the whole built-in suite
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("--fsdp"):
+        from tests.report import WHOLE_SUITE  # a plugin of this conftest: imported once pytest registered it
+
+        config.stash[WHOLE_SUITE] = [(item.originalname, getattr(getattr(item, "callspec", None), "params", {}),
+                                      item.path.name) for item in items]
     cuda = torch.cuda.is_available()
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -69,6 +76,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=timing))
         elif bug:
             item.add_marker(pytest.mark.xfail(strict=True, reason=bug.reason))
+            item.user_properties.append(("bug", bug.id))
+        # the known bug of this check on any version: the version table tells "fixed here" from "never hit"
+        anywhere = known_bug(params["scaler"], item.originalname, params, cuda, any_version=True)
+        if anywhere and not (timing and not anywhere.beats_race):
+            item.user_properties.append(("bug_any_version", anywhere.id))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -19,4 +19,5 @@ CORES=$(nproc)
 WORKERS=$(( CORES / 2 < 8 ? (CORES / 2 > 0 ? CORES / 2 : 1) : 8 ))
 echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores -> pytest -n $WORKERS; torch $(python3 -c 'import torch; print(torch.__version__)')"
 # the mutant meta-tests (marker slow) are CPU work, run by ci/cpu.sh
-python3 -m pytest -n "$WORKERS" -m "not slow" --junitxml="$OUT/junit.xml" --report "$OUT/report.md" "$@"
+python3 -m pytest -n "$WORKERS" -m "not slow" --junitxml="$OUT/junit.xml" --report "$OUT/report.md" \
+  --report-json "$OUT/report.json" "$@"

@@ -1,17 +1,24 @@
-"""The compatibility report printed at the end of every run (and `--report PATH` as Markdown).
+"""The compatibility report printed at the end of every run (`--report PATH` as Markdown,
+`--report-json PATH` as data for tools such as the torch-version table, ci/versions.py).
 
-Built on pytest's own reports: every item carries its scaler, FSDP implementation and check family
-as user_properties (set at collection, carried by xdist to the controller), and
-pytest_terminal_summary counts the reports pytest already collected. Tables: conformance and repro
-by scaler x family; the matrix by (implementation, scaler) x (precision, offload). Cells read
-`passed/failed/xfailed/skipped`; the known-bug reasons (xfails) are listed once under the tables.
+Built on pytest's own reports: every item carries its scaler, FSDP implementation, check family and
+known bug as user_properties (set at collection, carried by xdist to the controller), and
+pytest_terminal_summary counts the reports pytest already collected. EVERY collected test counts:
+scaler checks by scaler x family (a test file without a named family is a family of its own), the
+matrix by (implementation, scaler) x (precision, offload), every other test by its file, and a
+collection error as a failure. The headline can never disagree with pytest's exit status. Cells
+read `passed/failed/xfailed/skipped`; the known-bug reasons (xfails) are listed once under the tables.
 """
 from __future__ import annotations
 
 import collections
+import json
 import os
 
-from tests.scalers import BUILTINS
+import pytest
+
+from tests import versions
+from tests.scalers import BUILTINS, KNOWN_BUGS
 
 FAMILIES = {  # test file -> the column it counts in
     "test_single_process.py": "single rank",
@@ -20,12 +27,32 @@ FAMILIES = {  # test file -> the column it counts in
     "test_fsdp2.py": "FSDP2",
 }
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
+# set by the root conftest at collection when the whole built-in suite is collected: the tables that
+# name tests are checked against it (tests/test_tables.py)
+WHOLE_SUITE = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
-    parser.getgroup("fsdp-amp").addoption(
-        "--report", metavar="PATH", default=None,
-        help="also write the compatibility report as Markdown to PATH (e.g. $GITHUB_STEP_SUMMARY)")
+    group = parser.getgroup("fsdp-amp")
+    group.addoption("--report", metavar="PATH", default=None,
+                    help="also write the compatibility report as Markdown to PATH (e.g. $GITHUB_STEP_SUMMARY)")
+    group.addoption("--report-json", metavar="PATH", default=None,
+                    help="also write the report's records as JSON to PATH (the torch-version table reads it)")
+
+
+def pytest_configure(config):
+    """A report path that cannot be written is a usage error now, not an INTERNALERROR after the run."""
+    if hasattr(config, "workerinput"):
+        return
+    for option in ("--report", "--report-json"):
+        path = config.getoption(option)
+        if path is None:
+            continue
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as exc:
+            raise pytest.UsageError(f"{option} {path!r}: cannot be written ({exc.strerror})") from None
 
 
 def pytest_collection_modifyitems(items):
@@ -34,21 +61,21 @@ def pytest_collection_modifyitems(items):
 
 
 def label(item) -> None:
-    """Attach (scaler, impl, family) to an item at collection."""
+    """Attach (scaler, impl, family) to an item at collection; every item gets a family."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    path = str(item.path)
-    if "scaler" in params:
-        cell = params.get("cell")
-        if cell is not None:
-            item.user_properties += [("scaler", params["scaler"]), ("impl", cell.impl),
-                                     ("family", f"{cell.precision} {cell.offload}")]
-        elif os.path.basename(path) in FAMILIES:
-            item.user_properties += [("scaler", params["scaler"]), ("family", FAMILIES[os.path.basename(path)])]
-    elif f"{os.sep}repro{os.sep}" in path:
+    name = item.path.name
+    cell = params.get("cell")
+    if "scaler" in params and cell is not None:
+        props = [("scaler", params["scaler"]), ("impl", cell.impl), ("family", f"{cell.precision} {cell.offload}")]
+    elif "scaler" in params:
+        props = [("scaler", params["scaler"]), ("family", FAMILIES.get(name, name))]
+    elif item.path.parent.name == "repro":
         # parameterized.expand names a case test_<name>_<index>_<scaler>
         scaler = next((s for s in sorted(BUILTINS, key=len, reverse=True) if item.name.endswith("_" + s)), None)
-        if scaler:
-            item.user_properties += [("scaler", scaler), ("family", "repro")]
+        props = [("scaler", scaler), ("family", "repro")] if scaler else [("family", name)]
+    else:
+        props = [("family", name)]
+    item.user_properties += props
 
 
 def _outcome(report) -> str | None:
@@ -62,15 +89,18 @@ def _outcome(report) -> str | None:
 
 
 def records(reports) -> list[dict]:
-    """One record per labelled test id: its properties, its outcome, and the xfail reason if any."""
+    """One record per test id (and per module that failed to collect): its properties, its outcome,
+    and the xfail reason if any."""
     out: dict[str, dict] = {}
     rank = {None: -1, "passed": 0, "skipped": 1, "xfailed": 2, "failed": 3}
     for rep in reports:
-        props = dict(rep.user_properties)
-        outcome = _outcome(rep)
-        if "scaler" not in props or outcome is None:
+        # a CollectReport stands for a module that failed to collect or skipped itself whole
+        outcome = _outcome(rep) if hasattr(rep, "when") else "failed" if rep.failed else "skipped" if rep.skipped else None
+        if outcome is None:
             continue
-        rec = out.setdefault(rep.nodeid, dict(props, outcome=None, reason=None))
+        props = dict(getattr(rep, "user_properties", ()))
+        props.setdefault("family", os.path.basename(rep.nodeid.split("::")[0]) or rep.nodeid)
+        rec = out.setdefault(rep.nodeid, dict(props, nodeid=rep.nodeid, outcome=None, reason=None))
         if rank[outcome] > rank[rec["outcome"]]:
             rec["outcome"] = outcome
             rec["reason"] = getattr(rep, "wasxfail", None) if outcome == "xfailed" else None
@@ -84,9 +114,11 @@ def _cell(counts) -> str:
 def tables(recs: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
     """[(title, header, rows)] for the suites present in recs."""
     out = []
-    suite = [r for r in recs if "impl" not in r]
+    suite = [r for r in recs if r.get("scaler") and "impl" not in r]
     if suite:
-        fams = [f for f in list(FAMILIES.values()) + ["repro"] if any(r["family"] == f for r in suite)]
+        named = list(FAMILIES.values()) + ["repro"]
+        present = {r["family"] for r in suite}
+        fams = [f for f in named if f in present] + sorted(present - set(named))
         scalers = sorted({r["scaler"] for r in suite}, key=_scaler_order)
         counts = collections.defaultdict(collections.Counter)
         for r in suite:
@@ -103,6 +135,13 @@ def tables(recs: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
             counts[r["impl"], r["scaler"], r["family"]][r["outcome"]] += 1
         out.append(("FSDP-vs-DDP matrix", ["implementation", "scaler"] + fams,
                     [[i, s] + [_cell(counts[i, s, f]) for f in fams] for i, s in rows]))
+    rest = [r for r in recs if not r.get("scaler")]
+    if rest:
+        counts = collections.defaultdict(collections.Counter)
+        for r in rest:
+            counts[r["family"]][r["outcome"]] += 1
+        out.append(("the suite's own tests and the rest, by file", ["file", "checks"],
+                    [[f, _cell(counts[f])] for f in sorted(counts)]))
     return out
 
 
@@ -111,12 +150,28 @@ def _scaler_order(spec: str):
     return (builtin.index(spec) if spec in builtin else len(builtin), spec)
 
 
-def headline(recs: list[dict]) -> str:
+EXIT_MEANINGS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
+                 5: "no tests collected"}
+
+
+def headline(recs: list[dict], exitstatus: int = 0) -> str:
+    """The first line: UNEXPECTED whenever anything failed or pytest itself exits non-zero."""
     total = collections.Counter(r["outcome"] for r in recs)
-    counts = ", ".join(f"{total[o]} {o}" for o in OUTCOMES) + " scaler checks"
+    counts = ", ".join(f"{total[o]} {o}" for o in OUTCOMES) + " (every collected test)"
     if total["failed"]:
         return f"UNEXPECTED OUTCOMES: {total['failed']} failed (failures, errors or strict xfails that passed); {counts}"
+    if int(exitstatus) != 0:
+        meaning = EXIT_MEANINGS.get(int(exitstatus), "non-zero")
+        return f"UNEXPECTED OUTCOMES: pytest exits {int(exitstatus)} ({meaning}); {counts}"
     return f"All as expected: {counts}; xfailed = known upstream bugs, listed below"
+
+
+def header(about: dict) -> str:
+    """What this run is on: the versions and the hardware the verdict holds for."""
+    gpus = collections.Counter(about["gpus"])
+    hardware = ", ".join(f"{n} x {name}" for name, n in gpus.items()) or "no GPU"
+    return (f"torch {about['torch']}, fairscale {about['fairscale'] or '(not installed)'}, "
+            f"CUDA {about['cuda'] or '(none)'}, {hardware}, python {about['python']}")
 
 
 def known_bugs(recs: list[dict]) -> list[tuple[str, int, list[str]]]:
@@ -124,21 +179,24 @@ def known_bugs(recs: list[dict]) -> list[tuple[str, int, list[str]]]:
     by = collections.defaultdict(list)
     for r in recs:
         if r["outcome"] == "xfailed":
-            by[r["reason"] or "(no reason)"].append(r["scaler"])
+            by[r["reason"] or "(no reason)"].append(r.get("scaler") or "-")
     return sorted(((reason, len(s), sorted(set(s), key=_scaler_order)) for reason, s in by.items()),
                   key=lambda t: -t[1])
 
 
-def render(recs: list[dict], markdown: bool) -> str:
-    lines = [("**" + headline(recs) + "**") if markdown else headline(recs), ""]
-    for title, header, rows in tables(recs):
+def render(recs: list[dict], markdown: bool, exitstatus: int = 0, about: dict | None = None) -> str:
+    first = headline(recs, exitstatus)
+    lines = [("**" + first + "**") if markdown else first, ""]
+    if about:
+        lines += [("on " + header(about)), ""]
+    for title, head, rows in tables(recs):
         lines.append(f"### {title}" if markdown else f"{title}:")
         if markdown:
-            lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             lines += ["| " + " | ".join(row) + " |" for row in rows]
         else:
-            widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-            for row in [header] + rows:
+            widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+            for row in [head] + rows:
                 lines.append("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
         lines.append("")
     lines.append("cells: passed/failed/xfailed/skipped (failed includes errors and strict xfails that passed)")
@@ -150,20 +208,31 @@ def render(recs: list[dict], markdown: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if hasattr(config, "workerinput"):  # xdist worker: the controller reports
-        return
-    import pytest
+def as_data(recs: list[dict], exitstatus: int, about: dict) -> dict:
+    """The report as plain data (--report-json): what ran where, every record, every known bug."""
+    keys = ("nodeid", "outcome", "scaler", "impl", "family", "bug", "bug_any_version")
+    return {"versions": about, "exitstatus": int(exitstatus), "headline": headline(recs, exitstatus),
+            "known_bugs": [{"id": b.id, "reason": b.reason, "torch": b.torch, "fairscale": b.fairscale,
+                            "in_force": b.in_force} for b in KNOWN_BUGS],
+            "records": [{k: r.get(k) for k in keys} for r in recs]}
 
-    reports = [rep for reps in terminalreporter.stats.values() for rep in reps
-               if isinstance(rep, pytest.TestReport)]  # stats also hold deselected items, warnings
-    recs = records(reports)
-    if not recs:
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput") or config.option.collectonly:  # xdist worker: the controller reports
         return
+    reports = [rep for reps in terminalreporter.stats.values() for rep in reps
+               if isinstance(rep, (pytest.TestReport, pytest.CollectReport))]  # stats also hold warnings
+    recs = records(reports)
+    about = versions.describe()
     terminalreporter.write_sep("=", "compatibility report")
-    terminalreporter.write(render(recs, markdown=False))
+    terminalreporter.write(render(recs, markdown=False, exitstatus=exitstatus, about=about))
     path = config.getoption("--report")
     if path:
         with open(path, "a" if path == os.environ.get("GITHUB_STEP_SUMMARY") else "w") as f:
-            f.write(render(recs, markdown=True))
+            f.write(render(recs, markdown=True, exitstatus=exitstatus, about=about))
         terminalreporter.write_line(f"report written to {path}")
+    path = config.getoption("--report-json")
+    if path:
+        with open(path, "w") as f:
+            json.dump(as_data(recs, exitstatus, about), f, indent=1)
+        terminalreporter.write_line(f"report data written to {path}")

@@ -19,6 +19,8 @@ from tests.scalers import make_scaler
     (["--scaler", "tests.scalers:KNOWN_BUGS"], "module 'tests.scalers' has no callable 'KNOWN_BUGS'"),
     (["--fsdp", "fsdp3"], "--fsdp 'fsdp3': not a built-in (fairscale, fsdp1, fsdp2)"),
     (["--rank-timeout", "0"], "--rank-timeout 0.0: must be a positive number of seconds"),
+    (["--report", "/nonexistent/dir/r.md"], "--report '/nonexistent/dir/r.md': cannot be written (No such file"),
+    (["--report-json", "/nonexistent/dir/r.json"], "--report-json '/nonexistent/dir/r.json': cannot be written"),
 ])
 def test_a_bad_option_is_a_usage_error_naming_it(args, message):
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/matrix/test_axes.py", "-p", "no:cacheprovider",

@@ -1,9 +1,11 @@
-"""The compatibility report counts pytest's own reports right, and says so when anything is unexpected."""
+"""The compatibility report counts pytest's own reports right (every collected test, not only the scaler
+checks it has a column for), and its headline says so whenever anything is unexpected."""
 from types import SimpleNamespace
 
 import pytest
 
 from tests import report
+from tests.child_run import ROOT
 
 pytestmark = pytest.mark.harness
 
@@ -29,11 +31,15 @@ def test_each_test_id_counts_once_with_its_worst_outcome():
     assert report.known_bugs(recs) == [("bug X", 1, ["torch_amp"])]
 
 
-def test_unexpected_outcomes_lead_the_report():
+def test_unexpected_outcomes_lead_the_report_whatever_the_exit_status():
     strict_xpass = rep("e", "failed")  # pytest reports a strict xfail that passed as failed
     assert report.render(report.records([rep("a", "passed"), strict_xpass]), markdown=False).startswith(
         "UNEXPECTED OUTCOMES: 1 failed")
     assert report.render(report.records([rep("a", "passed")]), markdown=True).startswith("**All as expected")
+    # nothing failed, yet pytest exits non-zero (interrupted, internal error, nothing collected)
+    assert report.headline(report.records([rep("a", "passed")]), exitstatus=2).startswith(
+        "UNEXPECTED OUTCOMES: pytest exits 2 (interrupted)")
+    assert report.headline([], exitstatus=5).startswith("UNEXPECTED OUTCOMES: pytest exits 5")
 
 
 def test_matrix_rows_are_implementation_and_scaler():
@@ -42,3 +48,29 @@ def test_matrix_rows_are_implementation_and_scaler():
     title, header, rows = report.tables(recs)[0]
     assert title == "FSDP-vs-DDP matrix" and header == ["implementation", "scaler", "fp32 nooffload", "fp16 offload"]
     assert rows == [["fsdp1", "torch_amp", "0/0/1/0", ""], ["fsdp2", "ours", "", "1/0/0/0"]]
+
+
+NEW_FILE = """
+import pytest
+
+@pytest.mark.parametrize("scaler", ["ours"])
+def test_a_new_scaler_check(scaler):
+    pass
+
+def test_a_new_plain_check():
+    assert False, "planted"
+"""
+
+
+def test_a_failure_in_a_file_without_a_family_makes_the_headline_unexpected(pytester, monkeypatch):
+    """A new test file the report has no family for: its tests are counted (the scaler check in a
+    column of its own, the plain one under the rest), and its failure leads the report."""
+    pytester.makepyfile(test_zz_new=NEW_FILE)
+    pytester.makeini("[pytest]\n")
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # the child imports the report plugin from this checkout
+    result = pytester.runpytest_subprocess("-p", "tests.report", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                           "--report", "r.md")
+    result.assert_outcomes(passed=1, failed=1)
+    text = (pytester.path / "r.md").read_text()
+    assert text.startswith("**UNEXPECTED OUTCOMES: 1 failed"), text
+    assert "| ours | 1/0/0/0 |" in text and "| test_zz_new.py | 0/1/0/0 |" in text, text

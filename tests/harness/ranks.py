@@ -27,6 +27,7 @@ import faulthandler
 import fcntl
 import gc
 import itertools
+import json
 import multiprocessing
 import os
 import pickle
@@ -65,6 +66,16 @@ class RankDied(RankFailure):
 
 class RankHung(RankFailure):
     pass
+
+
+def _profile(event: str, seconds: float, **info) -> None:
+    """Where a run's time goes (benchmarks/gpu.py): with FSDP_AMP_PROFILE_DIR set, one JSON line per
+    pool start-up and per lock wait, in a file per xdist worker."""
+    folder = os.environ.get("FSDP_AMP_PROFILE_DIR")
+    if folder:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(folder, f"{worker}.jsonl"), "a") as f:
+            f.write(json.dumps(dict(event=event, seconds=round(seconds, 4), **info)) + "\n")
 
 
 def configure(isolate: bool | None = None, timeout: float | None = None) -> None:
@@ -196,12 +207,19 @@ def _gpu_locks(world_size: int, device: str, exclusive: bool):
         return stack.enter_context(open(os.path.join(tempfile.gettempdir(), f"fsdp-amp-suite-{name}.lock"), "w"))
 
     with contextlib.ExitStack() as stack:
+        asked = time.monotonic()
         gate = lock_file("gate")
         fcntl.flock(gate, fcntl.LOCK_EX)
         for g in sorted(gpus):  # one global order: no lock-order deadlock between workers
             fcntl.flock(lock_file(f"gpu{g}"), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         fcntl.flock(gate, fcntl.LOCK_UN)
-        yield
+        _profile("lock_wait", time.monotonic() - asked, exclusive=exclusive)
+        held = time.monotonic()
+        try:
+            yield
+        finally:
+            if exclusive:  # every other worker's GPU task waits this long
+                _profile("exclusive_hold", time.monotonic() - held)
 
 
 def shutdown_pools() -> None:
@@ -230,6 +248,7 @@ class RankPool:
             for r in range(world_size)
         ]
         self.healthy = True
+        started = time.monotonic()
         for p in self.procs:
             p.start()
         try:
@@ -237,6 +256,7 @@ class RankPool:
         except RankFailure:
             self.shutdown(graceful=False)
             raise
+        _profile("pool_start", time.monotonic() - started, world_size=world_size, device=device)
 
     @property
     def pids(self) -> list[int]:

@@ -29,14 +29,15 @@ class Outcome(NamedTuple):
 
 
 def known(phrase: str, scalers) -> dict[str, str]:
-    """{scaler: reason} for the KNOWN_BUGS entry whose reason contains phrase (exactly one).
+    """{scaler: reason} for the KNOWN_BUGS entry whose reason contains phrase (exactly one), where it
+    holds on the installed versions (elsewhere it is fixed: every scaler must pass).
 
     On a machine without CUDA, fairscale's scaler disables itself (its own KNOWN_BUGS entry), so
     any repro that builds it there is a known failure for that reason instead.
     """
     entries = [b for b in KNOWN_BUGS if phrase in b.reason]
     assert len(entries) == 1, f"{phrase!r} names {len(entries)} KNOWN_BUGS entries, want 1"
-    hits = {s: entries[0].reason for s in scalers}
+    hits = {s: entries[0].reason for s in scalers} if entries[0].in_force else {}  # fixed on this version
     if not torch.cuda.is_available():
         hits["fairscale_sharded"] = next(b.reason for b in KNOWN_BUGS if "disables itself without CUDA" in b.reason)
     return hits

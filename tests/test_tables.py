@@ -1,0 +1,46 @@
+"""Every table that names tests names at least one collected test: a renamed test or param can never
+silently drop a known bug's xfail, a mutant's expectation or a report column.
+
+Checked when the whole built-in suite is collected (no paths given, no --fsdp), before -m/-k
+deselect anything: KNOWN_BUGS (tests/scalers.py; an entry matches a check by its test names and
+param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
+EXPECTED tests (tests/conformance/mutants.py) and the report's FAMILIES (tests/report.py).
+"""
+import pytest
+
+from tests import report
+from tests.conformance.mutants import EXPECTED
+from tests.scalers import KNOWN_BUGS
+
+pytestmark = pytest.mark.harness
+
+
+def unmatched(collected) -> list[str]:
+    """The table entries that match no collected (test function, params, file name)."""
+    names = {name for name, _, _ in collected}
+    files = {file for _, _, file in collected}
+    out = [f"KNOWN_BUGS {bug.id!r}: no collected test is {sorted(bug.tests) if bug.tests else 'a scaler check'} "
+           f"with params its conditions accept" for bug in KNOWN_BUGS
+           if not any("scaler" in params and bug.matches(name, params, cuda)
+                      for name, params, _ in collected for cuda in (False, True))]
+    out += [f"mutants EXPECTED {mutant!r}: no collected test is named {test!r}"
+            for mutant, tests in EXPECTED.items() for test in tests if test not in names]
+    out += [f"report FAMILIES {file!r}: no collected test is in a file of that name"
+            for file in report.FAMILIES if file not in files]
+    return out
+
+
+def test_every_table_entry_names_a_collected_test(request):
+    collected = request.config.stash.get(report.WHOLE_SUITE, None)
+    if collected is None:
+        pytest.skip("checked only when the whole built-in suite is collected (no paths given, no --fsdp)")
+    stale = unmatched(collected)
+    assert not stale, "table entries that match no collected test:\n" + "\n".join(stale)
+
+
+def test_a_stale_entry_is_named():
+    collected = [("test_renamed", {"scaler": "ours"}, "test_single_process.py")]
+    stale = unmatched(collected)
+    assert any("KNOWN_BUGS 'torch-amp-refuses-fp16-grads'" in line for line in stale), stale
+    assert any("'no_agreement': no collected test is named 'test_ranks_keep_scale_in_lockstep'" in line for line in stale)
+    assert any("FAMILIES 'test_ranks.py'" in line for line in stale) and len(stale) > 20

@@ -1,0 +1,49 @@
+"""The versions this run is on, and version specifiers for the facts that hold only on some of them.
+
+Every known bug (tests/scalers.py KNOWN_BUGS) and every version-dependent skip names the torch (and
+fairscale) versions it holds for as a PEP 440 specifier (`packaging.specifiers.SpecifierSet`): a bug
+fixed in torch N is `torch="<N"`, so on N its checks are expected to pass. Local version labels
+(`2.11.0+cu130`) and pre-releases are compared by their release: `2.11.0+cu130` is in `==2.11.*`.
+"""
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+
+@functools.lru_cache(maxsize=None)
+def installed(package: str) -> Version | None:
+    """The installed version of a distribution (release only: no local label), or None."""
+    try:
+        return Version(Version(metadata.version(package)).base_version)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def holds(torch: str | SpecifierSet = "", fairscale: str | SpecifierSet = "") -> bool:
+    """Do the installed torch and fairscale satisfy these specifiers? (an empty one: any version)"""
+    for package, spec in (("torch", torch), ("fairscale", fairscale)):
+        spec = SpecifierSet(str(spec))
+        if not str(spec):
+            continue
+        version = installed(package)
+        if version is None or not spec.contains(version, prereleases=True):
+            return False
+    return True
+
+
+def describe() -> dict:
+    """What this run is on, for the report's header (plain data)."""
+    import platform
+
+    import torch
+
+    cuda = torch.version.cuda if torch.cuda.is_available() else None
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "fairscale": str(installed("fairscale")) if installed("fairscale") else None,
+            "cuda": cuda, "gpus": gpus}
