@@ -11,8 +11,11 @@ import torch.distributed as dist
 
 from tests.scalers import make_scaler
 from tests.harness import run_on_ranks
+from tests.matrix.axes import FSDP2_CPU_REASON, FSDP2_CPU_TORCH
+from tests.versions import holds
 
-pytestmark = pytest.mark.conformance
+pytestmark = [pytest.mark.conformance,
+              pytest.mark.skipif(not torch.cuda.is_available() and holds(torch=FSDP2_CPU_TORCH), reason=FSDP2_CPU_REASON)]
 
 
 def _fully_shard():

@@ -12,6 +12,8 @@ import collections
 import itertools
 from dataclasses import astuple, dataclass, fields
 
+from tests.versions import holds
+
 # axis -> its values, as they appear in test ids (in this order); meaning in the comments
 AXES = {
     "impl": ("fairscale", "fsdp1", "fsdp2"),   # fairscale FullyShardedDataParallel, torch FSDP1, torch fully_shard
@@ -121,6 +123,16 @@ def missing_pairs(generated: list[Cell], impl: str) -> set:
     return _valid_pairs(impl) - have
 
 
+# FSDP2 on a machine without CUDA: torch < 2.7 touches CUDA in fully_shard's lazy init (first forward), so it
+# cannot run there. Measured with ci/probe_fsdp2_cpu.py (2 gloo ranks, offload on/off, fp32/fp16/bf16): 2.4.1
+# creates a torch.cuda.Stream (CUDA wheel without a GPU: "CUDA driver version is insufficient for CUDA runtime
+# version"), 2.5.1 raises "FSDP requires CUDA for streams", 2.6.0 "'Stream' object has no attribute
+# 'record_event'" (the CPU stream's record_event/wait_event came in pytorch/pytorch#145935); 2.7.0 trains.
+FSDP2_CPU_TORCH = "<2.7"
+FSDP2_CPU_REASON = (f"FSDP2 on CPU needs torch >= 2.7: on torch{FSDP2_CPU_TORCH} fully_shard's lazy init uses CUDA "
+                    f"streams (2.4, 2.5) or CPU stream methods 2.6 lacks (record_event: pytorch/pytorch#145935)")
+
+
 def skip_reason(cell: Cell, n_gpus: int) -> str | None:
     """Why this machine cannot run the cell (n_gpus: CUDA devices visible), or None."""
     ws = cell.world_size
@@ -132,6 +144,8 @@ def skip_reason(cell: Cell, n_gpus: int) -> str | None:
         if ws > n_gpus:
             return (f"fairscale FSDP at world size {ws} needs NCCL with one GPU per rank (under gloo it fails a "
                     f"reduce_scatter shape check); {n_gpus} GPU(s) visible")
+    if cell.impl == "fsdp2" and n_gpus == 0 and holds(torch=FSDP2_CPU_TORCH):
+        return FSDP2_CPU_REASON
     if cell.impl == "fsdp2" and cell.offload == "nooffload" and 0 < n_gpus < ws:
         return (f"FSDP2 with CUDA params at world size {ws} needs NCCL with one GPU per rank: over gloo ranks sharing "
                 f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (torch 2.11); "
