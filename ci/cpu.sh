@@ -9,6 +9,7 @@ mkdir -p "$OUT"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-python -m pip install -q -r requirements.txt -r requirements-ci.txt      # README step 1 (+ CI tools)
+python -m pip install -q -r requirements.txt                              # README step 1
+python -m pip install -q --require-hashes -r requirements-ci.txt          # CI tools, pinned by hash
 actionlint .github/workflows/*.yml                                          # the workflows lint clean
-python -m pytest -n auto --junitxml="$OUT/junit.xml" --report "$OUT/report.md"  # README step 2
+python -m pytest -n auto --junitxml="$OUT/junit.xml" --report="$OUT/report.md"  # README step 2 (PATH after "=": an absolute OUT is not taken for a test path)

@@ -15,9 +15,14 @@ if [ "$GPUS" -eq 0 ]; then
   exit 2
 fi
 CORES=$(nproc)
-# one xdist worker per 2 cores, at most 8: GPU tasks share the GPUs (timing checks take them alone)
+# CUDA contexts the rank pools may keep on one GPU across workers (tests/harness/ranks.py: GPU memory
+# over CONTEXT_GIB, or FSDP_AMP_GPU_CONTEXTS); a worker's pools hold up to 1 + 2 + 4 of them at once
+CONTEXTS=$(python3 -c "from tests.harness.ranks import context_budget; print(context_budget(0))")
+# one xdist worker per 2 cores, at most 8 (more did not help: 14 on 16 cores was slower), and no more
+# than the GPU's context budget keeps alive without pools taking turns
 WORKERS=$(( CORES / 2 < 8 ? (CORES / 2 > 0 ? CORES / 2 : 1) : 8 ))
-echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores -> pytest -n $WORKERS; torch $(python3 -c 'import torch; print(torch.__version__)')"
+WORKERS=$(( CONTEXTS / 7 < WORKERS ? (CONTEXTS / 7 > 0 ? CONTEXTS / 7 : 1) : WORKERS ))
+echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> pytest -n $WORKERS; torch $(python3 -c 'import torch; print(torch.__version__)')"
 # the mutant meta-tests (marker slow) are CPU work, run by ci/cpu.sh
-python3 -m pytest -n "$WORKERS" -m "not slow" --junitxml="$OUT/junit.xml" --report "$OUT/report.md" \
-  --report-json "$OUT/report.json" "$@"
+python3 -m pytest -n "$WORKERS" -m "not slow" --junitxml="$OUT/junit.xml" --report="$OUT/report.md" \
+  --report-json="$OUT/report.json" "$@"

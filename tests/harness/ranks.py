@@ -20,11 +20,13 @@ in interpreter teardown (../shared/FINDINGS.md).
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import ctypes
 import datetime
 import faulthandler
 import fcntl
+import functools
 import gc
 import itertools
 import json
@@ -35,6 +37,7 @@ import queue
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,6 +48,12 @@ DEFAULT_TIMEOUT_S = 120.0
 PEER_GRACE_S = 5.0  # after one rank raised, the others get this long before their stacks are taken
 STARTUP_TIMEOUT_S = 180.0
 DEVICES = ("cpu", "cuda", "cuda-shared")
+# CUDA contexts: every rank of a GPU pool owns one, and idle pools stay alive, so without a bound the
+# contexts on a GPU grow with xdist workers x pool sizes until it is full (seen: 14 workers x 7 ranks
+# = 98 contexts ran an H200's 140 GiB out of memory: ~1.4 GiB each with a task's working set). Each
+# GPU has a budget of context slots shared by every worker (flock'ed slot files); a pool holds one
+# per rank on that GPU for its life.
+CONTEXT_GIB = 2.0  # one rank's CUDA context plus a task's working set, with margin over the ~1.4 seen
 
 _settings = {"isolate": False, "timeout": DEFAULT_TIMEOUT_S}
 _pools: dict = {}
@@ -153,8 +162,9 @@ def run_on_ranks(fn, *args, world_size: int = 2, device: str = "cpu", backend: s
                  timeout: float | None = None, seed: int = 0, exclusive_gpu: bool = False, **kwargs) -> list:
     """Run fn(*args, **kwargs) on every rank; return [result of rank 0, result of rank 1, ...].
 
-    GPU tasks of different xdist workers share a GPU; exclusive_gpu=True (timing-sensitive checks)
-    waits until the task is alone on its GPUs.
+    GPU tasks of different xdist workers share a GPU; exclusive_gpu=True waits until the task is
+    alone on its GPUs (for a check that other processes' GPU work could hide; the busy-GPU race
+    checks need no such thing: other work only makes the GPU busier).
 
     Skips the calling test (pytest.skip) when the configuration needs hardware that is missing.
     Raises RankRaised / RankDied / RankHung with every rank's traceback or stack.
@@ -176,6 +186,7 @@ def run_on_ranks(fn, *args, world_size: int = 2, device: str = "cpu", backend: s
         return _run_under_torchrun(payload, device, backend, seed)
     key = (world_size, backend, device)
     exclusive_gpu = exclusive_gpu or os.environ.get("FSDP_AMP_EXCLUSIVE_GPUS") == "1"  # to measure the gain
+    _yield_idle_contexts(keep=key)
     with _gpu_locks(world_size, device, exclusive_gpu):
         if _settings["isolate"]:
             pool = RankPool(*key)
@@ -187,6 +198,83 @@ def run_on_ranks(fn, *args, world_size: int = 2, device: str = "cpu", backend: s
         if pool is None or not pool.healthy:
             pool = _pools[key] = RankPool(*key)
         return pool.run(payload, timeout, seed)
+
+
+def _lock_path(name: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"fsdp-amp-suite-{name}.lock")
+
+
+@functools.lru_cache(maxsize=None)
+def context_budget(gpu: int) -> int:
+    """How many CUDA contexts of this suite may live on one GPU at once, across xdist workers:
+    FSDP_AMP_GPU_CONTEXTS, else 90% of the GPU's memory (nvidia-smi; no CUDA context is made
+    for asking) over CONTEXT_GIB, else 16."""
+    if os.environ.get("FSDP_AMP_GPU_CONTEXTS"):
+        return max(1, int(os.environ["FSDP_AMP_GPU_CONTEXTS"]))
+    try:
+        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i",
+                              str(gpu)], capture_output=True, text=True, timeout=30, check=True).stdout
+        return max(1, int(float(mib.split()[0]) / 1024 * 0.9 / CONTEXT_GIB))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 16
+
+
+def _try_context_slots(per_gpu: dict[int, int]) -> list | None:
+    """Take per_gpu[g] free context slots on each GPU g, all or none (no hold-and-wait)."""
+    held = []
+    for gpu, n in sorted(per_gpu.items()):
+        got = 0
+        for i in range(context_budget(gpu)):
+            if got == n:
+                break
+            f = open(_lock_path(f"gpu{gpu}-context{i}"), "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            held.append(f)
+            got += 1
+        if got < n:
+            for f in held:
+                f.close()
+            return None
+    return held
+
+
+def _context_slots(world_size: int, device: str, gpus: list[int]) -> list:
+    """The context slots a new pool's ranks need. While the GPU's budget is spent, this worker's idle
+    GPU pools are retired first; then the other workers are asked to retire theirs (a 'wanted' file
+    they look at before each task), and the wait is bounded: past it, the failure says what is held."""
+    per_gpu = collections.Counter(gpus[:world_size] if device == "cuda" else [gpus[0]] * world_size)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        held = _try_context_slots(per_gpu)
+        if held is not None:
+            return held
+        idle = [k for k, p in _pools.items() if p.slots]
+        if idle:
+            _pools.pop(idle[0]).shutdown()
+            continue
+        with open(_lock_path("contexts-wanted"), "w"):
+            pass  # its mtime tells the other workers to retire their idle GPU pools
+        if time.monotonic() > deadline:
+            budget = {g: context_budget(g) for g in per_gpu}
+            raise RankFailure(f"could not get CUDA contexts for {world_size} rank(s) on GPU(s) {dict(per_gpu)} within "
+                              f"{STARTUP_TIMEOUT_S:g} s: every slot of the per-GPU budget {budget} is held by other "
+                              f"pools of this suite (set FSDP_AMP_GPU_CONTEXTS, or run fewer xdist workers)")
+        time.sleep(0.1)
+
+
+def _yield_idle_contexts(keep) -> None:
+    """Another worker waits for context slots: retire this worker's idle GPU pools (not the one wanted now)."""
+    try:
+        wanted = time.time() - os.stat(_lock_path("contexts-wanted")).st_mtime < 2.0
+    except FileNotFoundError:
+        return
+    if wanted:
+        for k in [k for k, p in _pools.items() if p.slots and k != keep]:
+            _pools.pop(k).shutdown()
 
 
 @contextlib.contextmanager
@@ -204,7 +292,7 @@ def _gpu_locks(world_size: int, device: str, exclusive: bool):
     gpus = worker_gpus()[: world_size if device == "cuda" else 1]
 
     def lock_file(name):
-        return stack.enter_context(open(os.path.join(tempfile.gettempdir(), f"fsdp-amp-suite-{name}.lock"), "w"))
+        return stack.enter_context(open(_lock_path(name), "w"))
 
     with contextlib.ExitStack() as stack:
         asked = time.monotonic()
@@ -241,6 +329,7 @@ class RankPool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         gpus = worker_gpus() if device != "cpu" else []
+        self.slots = _context_slots(world_size, device, gpus) if gpus else []  # released by shutdown
         self.procs = [
             ctx.Process(target=_rank_main, name=f"rank{r}-of-{world_size}", daemon=True,
                         args=(r, world_size, backend, device, gpus, os.path.join(self.dir, "store"),
@@ -252,7 +341,9 @@ class RankPool:
         for p in self.procs:
             p.start()
         try:
-            self._collect("ready", STARTUP_TIMEOUT_S, 0)
+            failed = _errors(self._collect("ready", STARTUP_TIMEOUT_S, 0))
+            if failed:  # every rank answered, some of them that it could not start
+                raise RankRaised(_report("could not start", failed, {}, world_size))
         except RankFailure:
             self.shutdown(graceful=False)
             raise
@@ -381,6 +472,9 @@ class RankPool:
             q.cancel_join_thread()
             q.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        for f in self.slots:  # the ranks are gone: their contexts with them
+            f.close()
+        self.slots = []
 
 
 def _errors(got) -> dict[int, str]:
@@ -493,7 +587,16 @@ def _rank_main(rank, world_size, backend, device, gpus, store_path, tasks, resul
         _rank_device = torch.device("cpu")
     else:
         gpu = gpus[rank] if device == "cuda" else gpus[0]
-        torch.cuda.set_device(gpu)
+        try:
+            torch.cuda.set_device(gpu)
+            torch.zeros(1, device=f"cuda:{gpu}")  # the context is made here, not in the first task
+        except RuntimeError as exc:
+            results.put(("ready", rank, False, f"rank {rank} could not get a CUDA context on GPU {gpu}: {exc}\n"
+                         f"(this suite's budget is {context_budget(gpu)} contexts per GPU; other processes may "
+                         f"hold its memory)"))
+            results.close()
+            results.join_thread()  # the message must leave before the process does
+            os._exit(4)
         _rank_device = torch.device("cuda", gpu)
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(hours=1))  # the parent times tasks out, not the PG

@@ -369,6 +369,57 @@ def test_torchrun_mode_runs_bodies_on_launcher_ranks(tmp_path):
     assert "needs world_size 3; torchrun launched 2 ranks" in out
 
 
+# ---------------------------------------------------------------- the CUDA context budget
+
+FAKE_GPU = 97  # slot files only: no CUDA needed to check the bookkeeping
+
+
+def test_context_slots_are_taken_all_or_none_within_the_budget(monkeypatch):
+    monkeypatch.setenv("FSDP_AMP_GPU_CONTEXTS", "3")
+    ranks_module.context_budget.cache_clear()
+    try:
+        two = ranks_module._try_context_slots({FAKE_GPU: 2})
+        assert len(two) == 2
+        assert ranks_module._try_context_slots({FAKE_GPU: 2}) is None, "only 1 of 3 slots is left"
+        one = ranks_module._try_context_slots({FAKE_GPU: 1})
+        assert len(one) == 1, "the refused take of 2 must not keep the slot it found"
+        for f in two:
+            f.close()
+        assert len(ranks_module._try_context_slots({FAKE_GPU: 2})) == 2
+    finally:
+        ranks_module.context_budget.cache_clear()
+
+
+def test_a_spent_context_budget_fails_in_bounded_time_saying_so(monkeypatch):
+    monkeypatch.setenv("FSDP_AMP_GPU_CONTEXTS", "2")
+    monkeypatch.setattr(ranks_module, "STARTUP_TIMEOUT_S", 0.5)
+    ranks_module.context_budget.cache_clear()
+    try:
+        held = ranks_module._try_context_slots({FAKE_GPU: 2})  # another worker's pool
+        t0 = time.monotonic()
+        with pytest.raises(ranks_module.RankFailure, match=r"could not get CUDA contexts for 1 rank\(s\) on GPU\(s\) "
+                           r"\{97: 1\} within 0.5 s: every slot of the per-GPU budget \{97: 2\} is held"):
+            ranks_module._context_slots(1, "cuda", [FAKE_GPU])
+        assert time.monotonic() - t0 < 5
+        del held
+    finally:
+        ranks_module.context_budget.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): CUDA contexts are what is budgeted")
+def test_workers_pools_share_a_small_context_budget(tmp_path):
+    """Two workers want 2 x (4 + 2 + 1) contexts under a budget of 5: they retire idle pools and take
+    turns instead of running the GPU out of memory or waiting forever."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                           os.path.join(SESSIONS, "case_gpu_budget.py")],
+                          cwd=ROOT, env=_env(uuid.uuid4().hex, tmp_path, FSDP_AMP_GPU_CONTEXTS="5",
+                                             TMPDIR=str(tmp_path)),  # slot files of its own
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    assert "18 passed" in proc.stdout, proc.stdout[-3000:]
+
+
 # ---------------------------------------------------------------- GPU device modes
 
 @pytest.mark.gpu

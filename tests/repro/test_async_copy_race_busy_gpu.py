@@ -59,7 +59,7 @@ def _busy_trials(scaler, with_inf):
 
 
 def _trials(scaler, with_inf):
-    return run_on_ranks(_busy_trials, scaler, with_inf, world_size=1, device="cuda", timeout=120, exclusive_gpu=True)[0]
+    return run_on_ranks(_busy_trials, scaler, with_inf, world_size=1, device="cuda", timeout=120)[0]
 
 
 def clean(scaler):
