@@ -132,6 +132,10 @@ FSDP2_CPU_TORCH = "<2.7"
 FSDP2_CPU_REASON = (f"FSDP2 on CPU needs torch >= 2.7: on torch{FSDP2_CPU_TORCH} fully_shard's lazy init uses CUDA "
                     f"streams (2.4, 2.5) or CPU stream methods 2.6 lacks (record_event: pytorch/pytorch#145935)")
 
+# FSDP2 with CUDA params over gloo ranks sharing one GPU segfaults in DTensor's functional collectives. Seen on
+# torch 2.11, the only torch run on a GPU here: claimed for every version until one is shown to run it.
+FSDP2_SHARED_GPU_TORCH = ""
+
 
 def skip_reason(cell: Cell, n_gpus: int) -> str | None:
     """Why this machine cannot run the cell (n_gpus: CUDA devices visible), or None."""
@@ -146,10 +150,10 @@ def skip_reason(cell: Cell, n_gpus: int) -> str | None:
                     f"reduce_scatter shape check); {n_gpus} GPU(s) visible")
     if cell.impl == "fsdp2" and n_gpus == 0 and holds(torch=FSDP2_CPU_TORCH):
         return FSDP2_CPU_REASON
-    if cell.impl == "fsdp2" and cell.offload == "nooffload" and 0 < n_gpus < ws:
+    if cell.impl == "fsdp2" and cell.offload == "nooffload" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
         return (f"FSDP2 with CUDA params at world size {ws} needs NCCL with one GPU per rank: over gloo ranks sharing "
-                f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (torch 2.11); "
-                f"{n_gpus} GPU(s) visible")
+                f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (seen on torch 2.11; "
+                f"assumed on torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until one runs it); {n_gpus} GPU(s) visible")
     if cell.impl == "fsdp1" and cell.offload == "offload" and n_gpus == 0:
         return "FSDP1 CPUOffload needs an accelerator (pin_memory: 'Cannot access accelerator device when none is available')"
     return None
