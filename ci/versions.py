@@ -9,7 +9,7 @@ example id). A cell of the bug table is
     hit N         N checks xfailed as this bug (strict xfails: the bug is there)
     fixed N       the bug is not in force on that version and N of its checks passed
     n/a           none of its checks ran there (all skipped or not collected, e.g. CUDA-only on CPU)
-    UNEXPECTED N  N of its checks failed (an error, or a strict xfail that passed)
+    UNEXPECTED N  N of its checks failed (an error, or a strict xfail that passed); (hit M) if M xfailed
     other N       its checks ran, but none of the above (e.g. xfailed as another known bug)
 Exit status: non-zero if a session's exit status is non-zero or missing, an expected version has
 no report, or a cell is UNEXPECTED.
@@ -55,9 +55,9 @@ def bug_cell(bug_id: str, session: dict) -> str:
     recs = session.get("records", [])
     mine = [r for r in recs if r.get("bug_any_version") == bug_id]
     failed = sum(r["outcome"] == "failed" for r in mine)
-    if failed:
-        return f"UNEXPECTED {failed}"
     hit = sum(r.get("bug") == bug_id and r["outcome"] == "xfailed" for r in recs)
+    if failed:
+        return f"UNEXPECTED {failed}" + (f" (hit {hit})" if hit else "")
     if hit:
         return f"hit {hit}"
     ran = [r for r in mine if r["outcome"] != "skipped"]
@@ -80,13 +80,17 @@ def bugs(sessions: list[dict]) -> list[dict]:
     return list(out.values())
 
 
+def short(reason: str, width: int = 60) -> str:
+    return reason if len(reason) <= width else reason[:width - 3].rstrip() + "..."
+
+
 def bug_table(sessions: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """(header, rows): known bug x session."""
-    header = ["known bug", "holds for"] + [label(s) for s in sessions]
+    """(header, rows): known bug x session; a row is id, the versions it holds for, a cell per session, reason."""
+    header = ["known bug", "holds for"] + [label(s) for s in sessions] + ["reason"]
     rows = []
     for b in bugs(sessions):
         spec = ", ".join(f"{pkg}{b[pkg]}" for pkg in ("torch", "fairscale") if b[pkg]) or "any"
-        rows.append([b["id"], spec] + [bug_cell(b["id"], s) for s in sessions])
+        rows.append([b["id"], spec] + [bug_cell(b["id"], s) for s in sessions] + [short(b["reason"])])
     return header, rows
 
 
@@ -121,9 +125,8 @@ def problems(sessions: list[dict], expect: list[str] = ()) -> list[str]:
     have = {Version(Version(s["versions"]["torch"]).base_version) for s in sessions}
     out += [f"torch {v}: no report (the session did not run, or died before writing it)"
             for v in expect if Version(v) not in have]
-    _, rows = bug_table(sessions)
-    out += [f"{row[0]} on {label(s)}: {cell}" for row in rows for s, cell in zip(sessions, row[2:])
-            if cell.startswith("UNEXPECTED")]
+    out += [f"{b['id']} on {label(s)}: {cell}" for b in bugs(sessions) for s in sessions
+            for cell in [bug_cell(b["id"], s)] if cell.startswith("UNEXPECTED")]
     return out
 
 
@@ -145,8 +148,9 @@ def render(sessions: list[dict], expect: list[str] = (), markdown: bool = False)
     lines = [f"**{title}**" if markdown else title, ""]
     lines += [f"- {p}" for p in bad] + ([""] if bad else [])
     lines += [h("known bug x torch version")] + _table(*bug_table(sessions), markdown) + ["", LEGEND, ""]
-    reasons = [f"- `{b['id']}`: {b['reason']}" if markdown else f"- {b['id']}: {b['reason']}" for b in bugs(sessions)]
-    lines += [h("known bugs")] + reasons + [""]
+    if markdown:  # the whole reasons, folded
+        lines += ["<details><summary>known bugs: the whole reasons</summary>", ""]
+        lines += [f"- `{b['id']}`: {b['reason']}" for b in bugs(sessions)] + ["", "</details>", ""]
     lines.append(h("sessions"))
     for s in sessions:
         v = s["versions"]

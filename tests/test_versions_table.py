@@ -49,17 +49,19 @@ def test_sessions_are_ordered_by_torch_version_not_by_string():
 
 def test_bug_cells_hit_fixed_na():
     header, rows = table.bug_table(table.order(three_versions()))
-    assert header == ["known bug", "holds for", "torch 2.4.1+cu121", "torch 2.10.0", "torch 2.13.0+cpu"]
-    assert rows == [["old-bug", "torch<2.6", "hit 2", "fixed 2", "fixed 2"],
-                    ["cuda-bug", "any", "n/a", "n/a", "n/a"],
-                    ["open-bug", "any", "hit 1", "hit 1", "hit 1"]]
+    assert header == ["known bug", "holds for", "torch 2.4.1+cu121", "torch 2.10.0", "torch 2.13.0+cpu", "reason"]
+    assert rows == [["old-bug", "torch<2.6", "hit 2", "fixed 2", "fixed 2", "fixed in 2.6"],
+                    ["cuda-bug", "any", "n/a", "n/a", "n/a", "needs CUDA"],
+                    ["open-bug", "any", "hit 1", "hit 1", "hit 1", "still there"]]
 
 
 def test_a_failed_check_of_a_bug_is_unexpected_and_a_problem():
     sessions = table.order(three_versions())
-    sessions[2]["records"][4] = rec("t.py::test_open", "failed", "open-bug", "open-bug")  # an XPASS(strict)
+    sessions[2]["records"][3] = rec("t.py::test_open", "failed", "open-bug", "open-bug")  # an XPASS(strict)
     sessions[2]["exitstatus"] = 1
-    assert table.bug_table(sessions)[1][2][-1] == "UNEXPECTED 1"
+    assert table.bug_table(sessions)[1][2][-2] == "UNEXPECTED 1"
+    sessions[2]["records"].append(rec("t.py::test_open2", "xfailed", "open-bug", "open-bug"))
+    assert table.bug_table(sessions)[1][2][-2] == "UNEXPECTED 1 (hit 1)"
     assert table.problems(sessions) == ["torch 2.13.0+cpu: exit status 1", "open-bug on torch 2.13.0+cpu: UNEXPECTED 1"]
 
 
@@ -98,5 +100,5 @@ def test_main_reads_the_directory_prints_and_writes_markdown(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("All as expected across 3 torch version(s)")
     assert "100 x tests/matrix/test_matrix.py::test_fsdp_matches_ddp: skipped / passed / passed" in out
-    assert "| old-bug | torch<2.6 | hit 2 | fixed 2 | fixed 2 |" in md.read_text()
+    assert "| old-bug | torch<2.6 | hit 2 | fixed 2 | fixed 2 | fixed in 2.6 |" in md.read_text()
     assert table.main([str(tmp_path), "--expect", "2.14.1"]) == 1
