@@ -60,9 +60,9 @@ def test_a_failed_check_of_a_bug_is_unexpected_and_a_problem():
     sessions[2]["records"][3] = rec("t.py::test_open", "failed", "open-bug", "open-bug")  # an XPASS(strict)
     sessions[2]["exitstatus"] = 1
     assert table.bug_table(sessions)[1][2][-2] == "UNEXPECTED 1"
+    assert table.problems(sessions) == ["torch 2.13.0+cpu: exit status 1", "open-bug on torch 2.13.0+cpu: UNEXPECTED 1"]
     sessions[2]["records"].append(rec("t.py::test_open2", "xfailed", "open-bug", "open-bug"))
     assert table.bug_table(sessions)[1][2][-2] == "UNEXPECTED 1 (hit 1)"
-    assert table.problems(sessions) == ["torch 2.13.0+cpu: exit status 1", "open-bug on torch 2.13.0+cpu: UNEXPECTED 1"]
 
 
 def test_in_force_bug_whose_checks_pass_is_not_called_fixed():
