@@ -271,6 +271,14 @@ KNOWN_BUGS = [
          "path): its found_inf has shape [1] and the fused kernel's _foreach_sub_ into the shape-[] step counter "
          "raises RuntimeError: output with shape [] doesn't match the broadcast shape [1]",
          when=_where(optimizer="adamw", clip="clip")),
+    # before the no-agreement entry: on torch < 2.6 this one is what the cell hits first (it raises)
+    _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX},
+         "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
+         "which on an inf replaces found_inf with torch.tensor([1.0]), shape [1]; a fused optimizer (AdamW "
+         "fused=True) then raises at the first overflow: RuntimeError: output with shape [] doesn't match the "
+         "broadcast shape [1] (seen on 2.4.1; 2.5.1 has the same code, 2.6.0 unscales CPU grads with "
+         "torch._amp_foreach_non_finite_check_and_unscale_)",
+         when=_where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload")), torch="<2.6"),
     _bug("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}, {MATRIX},
          "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "
          "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
