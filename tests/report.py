@@ -114,7 +114,8 @@ def _cell(counts) -> str:
 def tables(recs: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
     """[(title, header, rows)] for the suites present in recs."""
     out = []
-    suite = [r for r in recs if r.get("scaler") and "impl" not in r]
+    # .get, not "in": the JSON records (--report-json) hold every key, null where absent
+    suite = [r for r in recs if r.get("scaler") and not r.get("impl")]
     if suite:
         named = list(FAMILIES.values()) + ["repro"]
         present = {r["family"] for r in suite}
@@ -125,7 +126,7 @@ def tables(recs: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
             counts[r["scaler"], r["family"]][r["outcome"]] += 1
         out.append(("conformance and repro", ["scaler"] + fams,
                     [[s] + [_cell(counts[s, f]) for f in fams] for s in scalers]))
-    matrix = [r for r in recs if "impl" in r]
+    matrix = [r for r in recs if r.get("impl")]
     if matrix:
         fams = [f"{p} {o}" for o in ("nooffload", "offload") for p in ("fp32", "fp16", "bf16")
                 if any(r["family"] == f"{p} {o}" for r in matrix)]

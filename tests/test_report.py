@@ -50,6 +50,15 @@ def test_matrix_rows_are_implementation_and_scaler():
     assert rows == [["fsdp1", "torch_amp", "0/0/1/0", ""], ["fsdp2", "ours", "", "1/0/0/0"]]
 
 
+def test_the_json_records_give_the_same_tables():
+    """--report-json's records (absent keys written as null) rebuild the report's tables (ci/versions.py,
+    a saved GPU run)."""
+    recs = report.records([rep("c", "passed"), rep("m", "xfailed", family="fp16 offload", impl="fsdp1", reason="r"),
+                           rep("t", "passed", scaler=None, family="test_x.py")])
+    data = report.as_data(recs, 0, {})
+    assert report.tables(data["records"]) == report.tables(recs)
+
+
 NEW_FILE = """
 import pytest
 
