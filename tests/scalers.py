@@ -315,6 +315,8 @@ KNOWN_BUGS = [
          when=lambda params, cuda: params.get("placement") in CPU_GRADS_CUDA_SCALE
          and not (params.get("bad") and params.get("world_size") == 1), fairscale=FAIRSCALE_0_4_13),
 ]
+KNOWN_BUGS_BY_ID = {bug.id: bug for bug in KNOWN_BUGS}
+assert len(KNOWN_BUGS_BY_ID) == len(KNOWN_BUGS), "two KNOWN_BUGS entries share an id"
 
 
 # FINDINGS bug 2 makes these built-ins' results timing-dependent wherever CPU grads meet a CUDA

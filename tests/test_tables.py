@@ -44,3 +44,18 @@ def test_a_stale_entry_is_named():
     assert any("KNOWN_BUGS 'torch-amp-refuses-fp16-grads'" in line for line in stale), stale
     assert any("'no_agreement': no collected test is named 'test_ranks_keep_scale_in_lockstep'" in line for line in stale)
     assert any("FAMILIES 'test_ranks.py'" in line for line in stale) and len(stale) > 20
+
+
+def test_a_reworded_reason_keeps_its_repro_and_an_unknown_id_fails_loudly(monkeypatch):
+    """Repro files name their bug by its id, never by words of its reason: rewording keeps them working,
+    and an id that names no entry is a KeyError at import (a collection error), not a lost xfail."""
+    from tests import scalers
+    from tests.repro.common import known
+
+    bug = scalers.KNOWN_BUGS_BY_ID["fairscale-state-dict-after-backoff"]
+    reworded = type(bug)(**{**bug.__dict__, "reason": "entirely new words"})
+    monkeypatch.setitem(scalers.KNOWN_BUGS_BY_ID, bug.id, reworded)
+    assert known(bug.id, {"fairscale_sharded"})["fairscale_sharded"] in ("entirely new words", scalers.KNOWN_BUGS_BY_ID[
+        "fairscale-disabled-without-cuda"].reason)  # without CUDA fairscale's scaler is its own known bug
+    with pytest.raises(KeyError, match="no-such-bug"):
+        known("no-such-bug", {"ours"})

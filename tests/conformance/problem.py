@@ -151,3 +151,23 @@ def reference_scales(init_scale, growth_factor, backoff_factor, growth_interval,
 
 def equal_lists(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def step_with_rank1_without_grads(spec, placement, bad=False):
+    """One scaled step on 2 ranks where rank 1 got no grads this step (an unused branch, a frozen part, an
+    empty shard) but still steps with the others; rank 0's first grad holds an inf if bad. Runs on a rank.
+    -> {stepped, scale}: a correct scaler steps rank 0 only (if clean) and keeps both scales equal."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pb = Problem(placement, seed_offset=rank)
+    s = build_scaler(spec, pb, init_scale=256.0)
+    opt = sgd(pb.params)
+    before = pb.snapshot()
+    if rank == 0:
+        pb.backward(s, inject={0: math.inf} if bad else None)
+    else:
+        s.scale(pb.loss().detach())
+    s.step(opt)
+    s.update()
+    return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())

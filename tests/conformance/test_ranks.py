@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_lists, harness_device, placement_params,
-                                       reference_scales, run_steps, sgd)
+                                       reference_scales, run_steps, sgd, step_with_rank1_without_grads)
 from tests.harness import RankHung, run_on_ranks
 
 pytestmark = pytest.mark.conformance
@@ -96,25 +96,10 @@ def test_each_optimizer_agrees_across_ranks(scaler, placement):
     assert [o["scale"] for o in out] == [128.0, 128.0]
 
 
-def _without_grads(spec, placement, bad):
-    rank = dist.get_rank()
-    pb = Problem(placement, seed_offset=rank)
-    s = build_scaler(spec, pb, init_scale=256.0)
-    opt = sgd(pb.params)
-    before = pb.snapshot()
-    if rank == 0:
-        pb.backward(s, inject={0: math.inf} if bad else None)
-    else:  # this rank's shard got no grads this step (e.g. an unused branch), but it still steps
-        s.scale(pb.loss().detach())
-    s.step(opt)
-    s.update()
-    return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
-
-
 @pytest.mark.parametrize("bad", [False, True], ids=["clean", "inf_on_rank0"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_rank_without_grads_takes_part(scaler, placement, bad):
-    out = run2(_without_grads, scaler, placement, bad, placement=placement, timeout=20)
+    out = run2(step_with_rank1_without_grads, scaler, placement, bad, placement=placement, timeout=20)
     assert out[0]["stepped"] is (not bad) and out[1]["stepped"] is False  # rank 1 has nothing to step
     assert out[0]["scale"] == out[1]["scale"] == (128.0 if bad else 256.0)
 

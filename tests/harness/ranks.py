@@ -62,7 +62,36 @@ _rank_device = None  # set inside a rank: the torch.device its tensors belong on
 
 
 class RankFailure(Exception):
-    """A task failed on one or more ranks; the message holds each rank's traceback or stack."""
+    """A task failed on one or more ranks. Data, not just a message:
+
+        what        what happened ("raised", "hung (no answer within 15 s)", "died", ...)
+        ranks       {rank: text} of the ranks it happened to: a traceback, or an exit code + stack + output
+        others      {rank: text} of the other ranks with something to say (their stacks, their errors)
+        world_size  the size of the group (None for a failure before any rank ran)
+
+    str() renders all of it: a header line, then each rank's text.
+    """
+
+    def __init__(self, what: str, ranks: dict | None = None, others: dict | None = None,
+                 world_size: int | None = None):
+        self.what, self.world_size = what, world_size
+        self.ranks, self.others = dict(ranks or {}), dict(others or {})
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if self.world_size is None:
+            return self.what
+        parts = [f"rank(s) {sorted(self.ranks)} of world_size {self.world_size} {self.what}"]
+        parts += [f"----- rank {r} -----\n{self.ranks[r]}" for r in sorted(self.ranks)]
+        parts += [f"----- rank {r} (also) -----\n{self.others[r]}" for r in sorted(self.others)]
+        return "\n".join(parts)
+
+    def error(self, rank: int | None = None) -> str:
+        """The last line of a rank's text (the first failing rank's by default): its exception, e.g.
+        "RuntimeError: ..."."""
+        rank = min(self.ranks) if rank is None else rank
+        lines = [line for line in self.ranks[rank].splitlines() if line.strip()]
+        return lines[-1].strip() if lines else ""
 
 
 class RankRaised(RankFailure):
@@ -343,7 +372,7 @@ class RankPool:
         try:
             failed = _errors(self._collect("ready", STARTUP_TIMEOUT_S, 0))
             if failed:  # every rank answered, some of them that it could not start
-                raise RankRaised(_report("could not start", failed, {}, world_size))
+                raise RankRaised("could not start", failed, {}, world_size)
         except RankFailure:
             self.shutdown(graceful=False)
             raise
@@ -366,7 +395,7 @@ class RankPool:
         failed = {r: text for r, (ok, text) in outcome.items() if not ok}
         if failed:
             self._check_still_aligned()
-            raise RankRaised(_report("raised", failed, {}, self.world_size))
+            raise RankRaised("raised", failed, {}, self.world_size)
         return [outcome[r][1] for r in range(self.world_size)]
 
     def _check_still_aligned(self):
@@ -409,16 +438,16 @@ class RankPool:
                 stacks = self._stacks(got, offsets, dead)
                 lines = {r: f"exit code {c}" + (f" ({signal.Signals(-c).name})" if c and c < 0 else "")
                          for r, c in dead.items()}
-                raise RankDied(_report("died", {r: f"{lines[r]}\n{stacks.pop(r, '')}" for r in dead},
-                                       {**stacks, **_errors(got)}, self.world_size))
+                raise RankDied("died", {r: f"{lines[r]}\n{stacks.pop(r, '')}" for r in dead},
+                               {**stacks, **_errors(got)}, self.world_size)
             if first_error_at is not None and now > first_error_at + PEER_GRACE_S:
                 stacks = self._stacks(got, offsets)
-                raise RankRaised(_report("raised (the other ranks were stuck after it)", _errors(got),
-                                         stacks, self.world_size))
+                raise RankRaised("raised (the other ranks were stuck after it)", _errors(got), stacks,
+                                 self.world_size)
             if now > deadline:
                 stacks = self._stacks(got, offsets)
                 what = "did not start" if task_id == "ready" else f"hung (no answer within {timeout:g} s)"
-                raise RankHung(_report(what, stacks, _errors(got), self.world_size))
+                raise RankHung(what, stacks, _errors(got), self.world_size)
         return got
 
     def _drain(self, task_id, got):
@@ -484,15 +513,6 @@ def _errors(got) -> dict[int, str]:
 def _tail(text: str, n: int) -> str:
     lines = text.splitlines()
     return "\n".join(lines[-n:]) if lines else "(no output)"
-
-
-def _report(what: str, main: dict[int, str], others: dict[int, str], world_size: int) -> str:
-    parts = [f"rank(s) {sorted(main)} of world_size {world_size} {what}"]
-    for r in sorted(main):
-        parts.append(f"----- rank {r} -----\n{main[r]}")
-    for r in sorted(others):
-        parts.append(f"----- rank {r} (also) -----\n{others[r]}")
-    return "\n".join(parts)
 
 
 def _aligned_probe():
@@ -650,5 +670,5 @@ def _run_under_torchrun(payload: bytes, device: str, backend: str, seed: int) ->
     dist.all_gather_object(every, mine)
     failed = {r: text for r, (ok, text) in enumerate(every) if not ok}
     if failed:
-        raise RankRaised(_report("raised", failed, {}, len(every)))
+        raise RankRaised("raised", failed, {}, len(every))
     return [value for _, value in every]

@@ -1,6 +1,7 @@
 """The rank harness keeps its promises: results, faults, hangs, isolation, no leftovers."""
 import ctypes
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -189,6 +190,10 @@ def test_exception_on_rank_1_only_fails_with_that_traceback():
     text = str(info.value)
     assert "rank(s) [1]" in text and "ValueError: boom on rank 1" in text and "_raise_on" in text
     assert "----- rank 0" not in text  # rank 0 was fine
+    # and as data: the failing ranks, their errors, whole after pickling (a repro file reads these)
+    for exc in (info.value, pickle.loads(pickle.dumps(info.value))):
+        assert (exc.what, sorted(exc.ranks), exc.world_size) == ("raised", [1], 2)
+        assert exc.error() == "ValueError: boom on rank 1" and str(exc) == text
     pids = [o["pid"] for o in run_on_ranks(_identity, "after", world_size=2)]
     assert len(pids) == 2  # the pool still works
 

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from tests.scalers import BUILTINS, KNOWN_BUGS
+from tests.scalers import BUILTINS, KNOWN_BUGS_BY_ID
 
 SCALERS = [(name,) for name in BUILTINS]  # parameterized.expand: one case per built-in scaler
 
@@ -28,18 +28,17 @@ class Outcome(NamedTuple):
     expected: str    # what a correct scaler does
 
 
-def known(phrase: str, scalers) -> dict[str, str]:
-    """{scaler: reason} for the KNOWN_BUGS entry whose reason contains phrase (exactly one), where it
-    holds on the installed versions (elsewhere it is fixed: every scaler must pass).
+def known(bug_id: str, scalers) -> dict[str, str]:
+    """{scaler: reason} for the KNOWN_BUGS entry bug_id, where it holds on the installed versions
+    (elsewhere it is fixed: every scaler must pass). An id that names no entry is an error (KeyError).
 
     On a machine without CUDA, fairscale's scaler disables itself (its own KNOWN_BUGS entry), so
     any repro that builds it there is a known failure for that reason instead.
     """
-    entries = [b for b in KNOWN_BUGS if phrase in b.reason]
-    assert len(entries) == 1, f"{phrase!r} names {len(entries)} KNOWN_BUGS entries, want 1"
-    hits = {s: entries[0].reason for s in scalers} if entries[0].in_force else {}  # fixed on this version
+    bug = KNOWN_BUGS_BY_ID[bug_id]
+    hits = {s: bug.reason for s in scalers} if bug.in_force else {}  # fixed on this version
     if not torch.cuda.is_available():
-        hits["fairscale_sharded"] = next(b.reason for b in KNOWN_BUGS if "disables itself without CUDA" in b.reason)
+        hits["fairscale_sharded"] = KNOWN_BUGS_BY_ID["fairscale-disabled-without-cuda"].reason
     return hits
 
 
@@ -51,6 +50,25 @@ def run(reproduce: Callable[[str], Outcome], scaler: str) -> Outcome:
         last = [line for line in str(exc).splitlines() if line.strip()]
         return Outcome(True, f"raised {type(exc).__name__}: {last[-1] if last else ''}".strip(),
                        "no exception")
+
+
+def rank_without_grads(scaler: str, placement: str) -> Outcome:
+    """problem.step_with_rank1_without_grads on 2 gloo ranks sharing one GPU, a hang bounded by 20 s (two
+    repro files: fairscale's missing found_inf, and torch's one collective per grad device)."""
+    from tests.conformance.problem import step_with_rank1_without_grads
+    from tests.harness import RankHung, RankRaised, run_on_ranks
+
+    expected = "rank 0 steps, rank 1 (no grads) takes part without stepping; both keep scale 256.0"
+    try:
+        out = run_on_ranks(step_with_rank1_without_grads, scaler, placement, world_size=2, device="cuda-shared",
+                           timeout=20)
+    except RankHung as exc:
+        return Outcome(True, f"rank(s) {sorted(exc.ranks)} {exc.what}", expected)
+    except RankRaised as exc:
+        return Outcome(True, f"rank(s) {sorted(exc.ranks)} {exc.what}: {exc.error()}", expected)
+    stepped, scales = [o["stepped"] for o in out], [o["scale"] for o in out]
+    return Outcome(stepped != [True, False] or scales != [256.0, 256.0],
+                   f"stepped per rank {stepped}, scale per rank {scales}", expected)
 
 
 def needs_cuda(cls):

@@ -35,8 +35,8 @@ from tests.harness import run_on_ranks  # noqa: E402
 from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-TORCH = known("inv_scale/found_inf are copied to CPU with non_blocking=True", {"torch_amp", "torch_sharded"})
-FAIRSCALE = known("fairscale reads inv_scale's non_blocking CPU copy before it lands", {"fairscale_sharded"})
+TORCH = known("async-copy-race-busy-gpu", {"torch_amp", "torch_sharded"})
+FAIRSCALE = known("fairscale-busy-gpu", {"fairscale_sharded"})
 TRIALS = 20
 
 

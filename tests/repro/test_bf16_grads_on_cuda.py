@@ -25,7 +25,7 @@ from tests.harness import run_on_ranks  # noqa: E402
 from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("so bf16 grads on CUDA crash the scaler", {"torch_amp", "torch_sharded", "fairscale_sharded"})
+HITS = known("bf16-cuda-unscale-kernel", {"torch_amp", "torch_sharded", "fairscale_sharded"})
 
 
 def _bf16_step(scaler):

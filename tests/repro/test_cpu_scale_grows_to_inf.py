@@ -25,7 +25,7 @@ from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa:
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("without the isfinite check of torch._amp_update_scale_", {"torch_sharded", "fairscale_sharded"})
+HITS = known("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"})
 TOP = 2.0**127  # float32 max is just under 2**128: one more growth is inf
 
 

@@ -26,7 +26,7 @@ from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_c
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("two optimizers that both saw inf sum to 2.0", {"fairscale_sharded"})
+HITS = known("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"})
 
 
 def _two_optimizers_both_inf(scaler):

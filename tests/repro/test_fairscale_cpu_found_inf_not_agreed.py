@@ -31,9 +31,9 @@ from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_c
 from tests.scalers import skip_reason  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = {**known("all-reduces a CPU found_inf on a CUDA copy", {"fairscale_sharded"}),
+HITS = {**known("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"}),
         # torch.amp.GradScaler has no cross-rank agreement at all (it relies on DDP's all-reduced grads)
-        **known("it relies on DDP's all-reduced grads", {"torch_amp"})}
+        **known("torch-amp-not-shard-aware", {"torch_amp"})}
 # torch's ShardedGradScaler does agree here, but with CPU grads and a CUDA scale its outcome depends
 # on FINDINGS bug 2's async-copy race (test_async_copy_race_busy_gpu.py): neither a pass nor a strict
 # xfail, so the pytest case skips it (the script still prints what it did)

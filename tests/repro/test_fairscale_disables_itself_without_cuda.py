@@ -28,7 +28,7 @@ from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa:
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("disables itself without CUDA", {"fairscale_sharded"})
+HITS = known("fairscale-disabled-without-cuda", {"fairscale_sharded"})
 ONLY_WITHOUT_CUDA = ("fairscale's ShardedGradScaler disables itself only where CUDA is absent; "
                      "torch sees a GPU here, so the bug does not apply")
 

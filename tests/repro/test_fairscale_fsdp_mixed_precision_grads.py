@@ -29,7 +29,7 @@ from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
 # a bug of the FSDP implementation: every scaler hits it, ours included
-HITS = known("the fp32 params get fp16/bf16 grads", {"ours", "torch_amp", "torch_sharded", "fairscale_sharded"})
+HITS = known("fairscale-fsdp-mixed-precision-grads", {"ours", "torch_amp", "torch_sharded", "fairscale_sharded"})
 
 
 def _fsdp_step(scaler):

@@ -25,7 +25,7 @@ from tests.harness import run_on_ranks  # noqa: E402
 from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("passes grad_scaler=self to an optimizer that supports AMP scaling", {"fairscale_sharded"})
+HITS = known("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"})
 
 
 def _fused_step(scaler):

@@ -25,7 +25,7 @@ from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_c
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("state_dict() then raises AttributeError", {"fairscale_sharded"})
+HITS = known("fairscale-state-dict-after-backoff", {"fairscale_sharded"})
 
 
 def _state_after_backoff(scaler):

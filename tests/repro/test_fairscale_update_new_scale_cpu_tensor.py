@@ -28,7 +28,7 @@ from tests.harness import run_on_ranks  # noqa: E402
 from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("update(new_scale=tensor) asserts a torch.cuda.FloatTensor", {"fairscale_sharded"})
+HITS = known("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"})
 
 
 def _update_with_cpu_tensor(scaler):

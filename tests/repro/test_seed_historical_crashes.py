@@ -34,7 +34,7 @@ from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_c
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-CPU_HITS = known("disables itself without CUDA", set())  # only fairscale's, and only without CUDA
+CPU_HITS = known("fairscale-disabled-without-cuda", set())  # only fairscale's, and only without CUDA
 GPU_HITS = {}  # both crashes are fixed for every built-in scaler
 
 # (a): who unscales CPU grads, and since when

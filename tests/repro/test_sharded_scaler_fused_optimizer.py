@@ -26,11 +26,11 @@ from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
 # torch.amp.GradScaler never agrees across ranks (it relies on DDP's all-reduced grads), fused or not
-NOT_SHARD_AWARE = known("torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1", {"torch_amp"})
+NOT_SHARD_AWARE = known("torch-amp-not-shard-aware-fsdp", {"torch_amp"})
 # fairscale's scaler cannot drive a fused optimizer at all (on CPU-only machines it is disabled instead)
-FAIRSCALE_FUSED = known("passes grad_scaler=self to an optimizer", {"fairscale_sharded"})
-AFTER_UNSCALE = {**FAIRSCALE_FUSED, **known("after an explicit unscale_ (the clipping path)", {"torch_sharded"})}
-ONE_RANK = {**FAIRSCALE_FUSED, **known("takes GradScaler's fused path", {"torch_sharded"}), **NOT_SHARD_AWARE}
+FAIRSCALE_FUSED = known("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"})
+AFTER_UNSCALE = {**FAIRSCALE_FUSED, **known("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"})}
+ONE_RANK = {**FAIRSCALE_FUSED, **known("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}), **NOT_SHARD_AWARE}
 
 
 def _fused_step(scaler, unscale_first, inf_on_rank):

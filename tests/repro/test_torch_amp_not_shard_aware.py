@@ -27,8 +27,8 @@ from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
 # fairscale's scaler: disabled without CUDA; with CUDA, FINDINGS bug 1 (its CPU found_inf is never agreed)
-HITS = {**known("with sharded grads an inf on one rank makes only that rank skip and back off", {"torch_amp"}),
-        **known("all-reduces a CPU found_inf on a CUDA copy", {"fairscale_sharded"})}
+HITS = {**known("torch-amp-not-shard-aware", {"torch_amp"}),
+        **known("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"})}
 
 
 def _inf_on_rank1(scaler):

@@ -20,48 +20,21 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pytest  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from parameterized import parameterized  # noqa: E402
 
-from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd  # noqa: E402
-from tests.harness import RankHung, RankRaised, run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro import common  # noqa: E402
+from tests.repro.common import SCALERS, ReproCase, known, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = {**known("issues one all_reduce per device holding grads", {"torch_sharded"}),
+HITS = {**known("torch-sharded-collective-per-device", {"torch_sharded"}),
         # not this bug, but deterministic here: fairscale records no found_inf on the rank without grads
         # (test_fairscale_rank_without_grads.py), and torch.amp.GradScaler has no cross-rank agreement
-        **known("records no found_inf on a rank without grads", {"fairscale_sharded"}),
-        **known("it relies on DDP's all-reduced grads", {"torch_amp"})}
-EXPECTED = "rank 0 steps, rank 1 (no grads) takes part without stepping; both keep scale 256.0"
+        **known("fairscale-rank-without-grads", {"fairscale_sharded"}),
+        **known("torch-amp-not-shard-aware", {"torch_amp"})}
 
 
-def _rank1_without_grads(scaler):
-    rank = dist.get_rank()
-    pb = Problem("mixed", seed_offset=rank)  # params 0 and 2 on CPU, param 1 on CUDA; the scale on CUDA
-    s = build_scaler(scaler, pb, init_scale=256.0)
-    opt = sgd(pb.params)
-    before = pb.snapshot()
-    if rank == 0:
-        pb.backward(s)  # grads on CPU and on CUDA
-    else:  # this rank's params got no grads this step, but it still steps with the others
-        s.scale(pb.loss().detach())
-    s.step(opt)
-    s.update()
-    return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
-
-
-def rank_without_grads(scaler):
-    try:
-        out = run_on_ranks(_rank1_without_grads, scaler, world_size=2, device="cuda-shared", timeout=20)
-    except RankHung as exc:
-        return Outcome(True, str(exc).splitlines()[0], EXPECTED)
-    except RankRaised as exc:  # the harness report: a header line, then each failing rank's traceback
-        header, error = str(exc).splitlines()[0], str(exc).split("----- rank ")[1].strip().splitlines()[-1]
-        return Outcome(True, f"{header}: {error}", EXPECTED)
-    stepped, scales = [o["stepped"] for o in out], [o["scale"] for o in out]
-    return Outcome(stepped != [True, False] or scales != [256.0, 256.0],
-                   f"stepped per rank {stepped}, scale per rank {scales}", EXPECTED)
+def rank_without_grads(scaler):  # params 0 and 2 on CPU, param 1 on CUDA; the scale on CUDA
+    return common.rank_without_grads(scaler, "mixed")
 
 
 @needs_cuda
