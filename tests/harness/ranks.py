@@ -23,6 +23,7 @@ import atexit
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import faulthandler
 import fcntl
@@ -578,6 +579,9 @@ def _to_host(obj):
 
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a task's result record (e.g. CellRun)
+        return dataclasses.replace(obj, **{f.name: _to_host(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                           if f.init})
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_host(o) for o in obj)
     if isinstance(obj, dict):

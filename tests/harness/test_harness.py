@@ -1,5 +1,6 @@
 """The rank harness keeps its promises: results, faults, hangs, isolation, no leftovers."""
 import ctypes
+import dataclasses
 import os
 import pickle
 import signal
@@ -446,3 +447,22 @@ def test_two_nccl_ranks_on_two_gpus():
     out = run_on_ranks(_shared_gpu_all_reduce, world_size=2, device="cuda")
     assert out[0][0] != out[1][0]
     assert all(torch.equal(t, torch.full((2,), 3.0)) for _, t in out)
+
+
+@dataclasses.dataclass
+class _Record:
+    where: str
+    tensors: dict
+
+
+def _record_on_the_gpu():
+    return _Record(str(rank_device()), {"t": torch.ones(2, device=rank_device())})
+
+
+@pytest.mark.gpu
+def test_a_result_record_comes_back_on_the_host():
+    """A task's dataclass result (e.g. the matrix's CellRun) keeps its type, its tensors copied to the host:
+    the controller must never build a CUDA context to unpickle a result."""
+    out = run_on_ranks(_record_on_the_gpu, world_size=1, device="cuda")
+    assert isinstance(out[0], _Record) and out[0].where.startswith("cuda")
+    assert out[0].tensors["t"].device.type == "cpu", "a CUDA tensor inside a result record was not moved to the host"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -198,7 +199,20 @@ def _record(log, loss, params, before, scaler):
     log["scale"].append(float(scaler.get_scale()))
 
 
-def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
+@dataclass
+class CellRun:
+    """What one rank reports of one cell: train_cell's return, read by the controller (test_matrix.py)."""
+    unsupported: str | None = None  # the wrapper cannot build this configuration here (the cell skips: why)
+    log: dict = field(default_factory=dict)  # {"fsdp" | "ref": {"loss": [..], "stepped": [..], "scale": [..]}}, a step each
+    injected: dict = field(default_factory=dict)  # {step: where the inf went in this rank's shard}
+    crashed: str | None = None  # the FSDP side stopped before the last step (its scaler could not resume): why
+    grad_devices: list = field(default_factory=list)  # where the FSDP side's grads were after the last step
+    grad_dtypes: list = field(default_factory=list)
+    params: dict = field(default_factory=dict)  # {"fsdp" | "ref": {name: full fp32 tensor}} after the last step
+    probe: dict = field(default_factory=dict)  # the same after one zero-grad step (what the optimizer state does)
+
+
+def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     dtype = DTYPES[cell.precision]
@@ -209,7 +223,7 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
     try:
         model = resolve(impl_spec)(copy.deepcopy(base), settings)
     except NotImplementedError as exc:  # the wrapper cannot build this configuration here
-        return dict(unsupported=f"{impl_spec}: {exc}")
+        return CellRun(unsupported=f"{impl_spec}: {exc}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"--fsdp {impl_spec}: factory(module, settings) returned an object of type "
                         f"{type(model).__name__}, not the wrapped torch.nn.Module")
@@ -259,11 +273,11 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> dict:
             try:
                 scaler = resume(scaler, scaler_spec, device)
             except Exception as exc:  # noqa: BLE001 - reported after any earlier divergence (the likelier cause)
-                return dict(log=log, injected=injected, crashed=f"resuming the FSDP side's scaler from its state_dict "
-                            f"after step {step} raised {type(exc).__name__}: {exc}")
+                return CellRun(log=log, injected=injected, crashed=f"resuming the FSDP side's scaler from its "
+                               f"state_dict after step {step} raised {type(exc).__name__}: {exc}")
 
     grad_devices = sorted({str(_local(p.grad).device) for p in model.parameters() if p.grad is not None})
     grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
-    return dict(log=log, injected=injected, grad_devices=grad_devices, grad_dtypes=grad_dtypes,
-                params=dict(fsdp=full_params(model), ref=full_params(ref.master)),
-                probe=dict(fsdp=_zero_grad_probe(model, opt), ref=_zero_grad_probe(ref.master, ref.opt)))
+    return CellRun(log=log, injected=injected, grad_devices=grad_devices, grad_dtypes=grad_dtypes,
+                   params=dict(fsdp=full_params(model), ref=full_params(ref.master)),
+                   probe=dict(fsdp=_zero_grad_probe(model, opt), ref=_zero_grad_probe(ref.master, ref.opt)))

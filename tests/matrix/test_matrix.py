@@ -38,8 +38,8 @@ def _n_gpus() -> int:
 def test_fsdp_matches_ddp(cell, scaler, request):
     out = run_on_ranks(train_cell, cell, scaler, cell.impl, world_size=cell.world_size,
                        device=axes.harness_device(cell, _n_gpus()))
-    if "unsupported" in out[0]:
-        pytest.skip(out[0]["unsupported"])
+    if out[0].unsupported:
+        pytest.skip(out[0].unsupported)
     problem = divergence(cell, out) or scaler_idle(out)
     if problem:
         pytest.fail(f"{problem}\n\n{step_table(out)}\n\nrerun this cell alone:\n  {rerun_command(request, cell, scaler)}",
@@ -55,7 +55,7 @@ def divergence(cell, out) -> str | None:
     rtol, atol = TOLERANCE[cell.precision]
     for step in range(_steps_run(out)):
         for rank, r in enumerate(out):
-            f, d = r["log"]["fsdp"], r["log"]["ref"]
+            f, d = r.log["fsdp"], r.log["ref"]
             where = f"step {step}{_event(step, cell, r)}, rank {rank}"
             if not _close(f["loss"][step], d["loss"][step], rtol, atol):
                 return f"FSDP and DDP diverged first at {where}: loss FSDP {f['loss'][step]!r} vs DDP {d['loss'][step]!r}"
@@ -65,12 +65,12 @@ def divergence(cell, out) -> str | None:
                         f"{word[d['stepped'][step]]}")
             if f["scale"][step] != d["scale"][step]:
                 return f"FSDP and DDP diverged first at {where}: scale after update() FSDP {f['scale'][step]!r} vs DDP {d['scale'][step]!r}"
-    crashed = next((f"rank {rank}: {r['crashed']}" for rank, r in enumerate(out) if "crashed" in r), None)
+    crashed = next((f"rank {rank}: {r.crashed}" for rank, r in enumerate(out) if r.crashed), None)
     if crashed:
         return crashed
     for what, label in (("params", "parameter"), ("probe", "optimizer state (param after a zero-grad probe step)")):
         for rank, r in enumerate(out):
-            mine, ref = r[what]["fsdp"], r[what]["ref"]
+            mine, ref = getattr(r, what)["fsdp"], getattr(r, what)["ref"]
             if set(mine) != set(ref):
                 return f"rank {rank}: FSDP's full state_dict has names {sorted(mine)}, DDP's {sorted(ref)}"
             for name in ref:
@@ -85,7 +85,7 @@ def divergence(cell, out) -> str | None:
 
 def _steps_run(out) -> int:
     """STEPS, or fewer where a rank stopped early (its scaler could not be resumed)."""
-    return min(len(r["log"][side]["loss"]) for r in out for side in ("fsdp", "ref"))
+    return min(len(r.log[side]["loss"]) for r in out for side in ("fsdp", "ref"))
 
 
 def _event(step, cell, r) -> str:
@@ -93,7 +93,7 @@ def _event(step, cell, r) -> str:
         return " (rank 0's micro-batch overflows fp16)"
     if step in INJECTIONS:
         rank, _, value = INJECTIONS[step]
-        here = r["injected"].get(step)
+        here = r.injected.get(step)
         return f" ({value} injected on the {rank} rank" + (f": {here})" if here else ", not this one)")
     if step > RESUME_AFTER:
         return f" (the FSDP side's scaler was resumed from its state_dict after step {RESUME_AFTER})"
@@ -102,7 +102,7 @@ def _event(step, cell, r) -> str:
 
 def scaler_idle(out) -> str | None:
     """A cell where the scaler never grew, never backed off, or no step applied proves nothing."""
-    log = out[0]["log"]["ref"]
+    log = out[0].log["ref"]
     before = [SCALER_ARGS["init_scale"]] + log["scale"][:-1]
     grew = any(b > a for a, b in zip(before, log["scale"]))
     backed_off = any(b < a for a, b in zip(before, log["scale"]))
@@ -115,13 +115,13 @@ def step_table(out) -> str:
     lines = ["step  rank  loss FSDP / DDP                     stepped F/D   scale F/D"]
     for step in range(_steps_run(out)):
         for rank, r in enumerate(out):
-            f, d = r["log"]["fsdp"], r["log"]["ref"]
+            f, d = r.log["fsdp"], r.log["ref"]
             mark = "" if (f["stepped"][step], f["scale"][step]) == (d["stepped"][step], d["scale"][step]) else "  <-"
             lines.append(f"{step:4d}  {rank:4d}  {f['loss'][step]:<16.9g}/ {d['loss'][step]:<16.9g}  "
                          f"{f['stepped'][step]!s:5}/{d['stepped'][step]!s:5}  {f['scale'][step]:g}/{d['scale'][step]:g}{mark}")
     r0 = out[0]
-    if "grad_devices" in r0:
-        lines.append(f"FSDP grads on rank 0: devices {r0['grad_devices']}, dtypes {r0['grad_dtypes']}")
+    if r0.grad_devices:
+        lines.append(f"FSDP grads on rank 0: devices {r0.grad_devices}, dtypes {r0.grad_dtypes}")
     return "\n".join(lines)
 
 
