@@ -7,6 +7,7 @@ decided by the tables in tests/scalers.py.
 import pytest
 import torch
 
+from tests import xfails
 from tests.harness import ranks
 from tests.matrix import implementations
 from tests.scalers import BUILTINS, known_bug, resolve, skip_reason
@@ -30,6 +31,10 @@ def pytest_addoption(parser):
                     help="FSDP implementation for the matrix, repeatable: a built-in name (fairscale, "
                          "fsdp1, fsdp2) or package.module:factory(module, settings) -> wrapped module. "
                          "Replaces the matrix's implementation axis.")
+    group.addoption("--xfails-file", metavar="PATH", default=None,
+                    help="your own known bugs (for a plugged --scaler / --fsdp): one test id per line, a reason "
+                         "after '#'; each becomes a strict xfail, and entries that match no test are named "
+                         "(tests/xfails.py)")
 
 
 def scaler_specs(config) -> list:
@@ -49,6 +54,11 @@ def pytest_configure(config):
             resolve_spec(spec)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
+    path = config.getoption("--xfails-file")
+    try:
+        config.stash[xfails.ENTRIES] = xfails.read(path) if path else []
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_generate_tests(metafunc):
@@ -66,9 +76,11 @@ def pytest_collection_modifyitems(config, items):
         config.stash[WHOLE_SUITE] = [(item.originalname, getattr(getattr(item, "callspec", None), "params", {}),
                                       item.path.name) for item in items]
     cuda = torch.cuda.is_available()
+    theirs = config.stash.get(xfails.ENTRIES, [])
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "scaler" not in params:
+            _their_xfail(item, theirs)
             continue
         bug = known_bug(params["scaler"], item.originalname, params, cuda)
         timing = skip_reason(params["scaler"], item.originalname, params, cuda)
@@ -77,10 +89,20 @@ def pytest_collection_modifyitems(config, items):
         elif bug:
             item.add_marker(pytest.mark.xfail(strict=True, reason=bug.reason))
             item.user_properties.append(("bug", bug.id))
+        else:
+            _their_xfail(item, theirs)
         # the known bug of this check on any version: the version table tells "fixed here" from "never hit"
         anywhere = known_bug(params["scaler"], item.originalname, params, cuda, any_version=True)
         if anywhere and not (timing and not anywhere.beats_race):
             item.user_properties.append(("bug_any_version", anywhere.id))
+
+
+def _their_xfail(item, entries) -> None:
+    """The consumer's --xfails-file: a strict xfail where a built-in known bug did not already decide."""
+    entry = xfails.find(entries, item.nodeid)
+    if entry:
+        item.add_marker(pytest.mark.xfail(strict=True, reason=f"{entry.reason} (--xfails-file line {entry.line})"))
+        item.user_properties.append(("xfails_file", entry.check))
 
 
 def pytest_sessionfinish(session, exitstatus):

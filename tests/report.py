@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from tests import versions
+from tests import versions, xfails
 from tests.scalers import BUILTINS, KNOWN_BUGS
 
 FAMILIES = {  # test file -> the column it counts in
@@ -185,7 +185,8 @@ def known_bugs(recs: list[dict]) -> list[tuple[str, int, list[str]]]:
                   key=lambda t: -t[1])
 
 
-def render(recs: list[dict], markdown: bool, exitstatus: int = 0, about: dict | None = None) -> str:
+def render(recs: list[dict], markdown: bool, exitstatus: int = 0, about: dict | None = None,
+           stale: tuple = ()) -> str:
     first = headline(recs, exitstatus)
     lines = [("**" + first + "**") if markdown else first, ""]
     if about:
@@ -206,16 +207,21 @@ def render(recs: list[dict], markdown: bool, exitstatus: int = 0, about: dict | 
         lines += ["", "### Known upstream bugs (strict xfails)" if markdown else "known upstream bugs (strict xfails):"]
         for reason, n, scalers in bugs:
             lines.append(f"- {n} x [{', '.join(scalers)}] {reason}")
+    if stale:  # tests/xfails.py: a renamed or deselected test, or a typo, never misses silently
+        lines += ["", "### --xfails-file entries that match no test of this run" if markdown
+                  else "--xfails-file entries that match no test of this run:"]
+        lines += [f"- line {e.line}: {e.check}" for e in stale]
     return "\n".join(lines) + "\n"
 
 
-def as_data(recs: list[dict], exitstatus: int, about: dict) -> dict:
+def as_data(recs: list[dict], exitstatus: int, about: dict, stale: tuple = ()) -> dict:
     """The report as plain data (--report-json): what ran where, every record, every known bug."""
     keys = ("nodeid", "outcome", "scaler", "impl", "family", "bug", "bug_any_version")
     return {"versions": about, "exitstatus": int(exitstatus), "headline": headline(recs, exitstatus),
             "known_bugs": [{"id": b.id, "reason": b.reason, "torch": b.torch, "fairscale": b.fairscale,
                             "in_force": b.in_force} for b in KNOWN_BUGS],
-            "records": [{k: r.get(k) for k in keys} for r in recs]}
+            "records": [{k: r.get(k) for k in keys} for r in recs],
+            "xfails_file_unmatched": [{"line": e.line, "check": e.check} for e in stale]}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -225,15 +231,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                if isinstance(rep, (pytest.TestReport, pytest.CollectReport))]  # stats also hold warnings
     recs = records(reports)
     about = versions.describe()
+    stale = xfails.unmatched(config.stash.get(xfails.ENTRIES, []), (r["nodeid"] for r in recs))
     terminalreporter.write_sep("=", "compatibility report")
-    terminalreporter.write(render(recs, markdown=False, exitstatus=exitstatus, about=about))
+    terminalreporter.write(render(recs, markdown=False, exitstatus=exitstatus, about=about, stale=stale))
     path = config.getoption("--report")
     if path:
         with open(path, "a" if path == os.environ.get("GITHUB_STEP_SUMMARY") else "w") as f:
-            f.write(render(recs, markdown=True, exitstatus=exitstatus, about=about))
+            f.write(render(recs, markdown=True, exitstatus=exitstatus, about=about, stale=stale))
         terminalreporter.write_line(f"report written to {path}")
     path = config.getoption("--report-json")
     if path:
         with open(path, "w") as f:
-            json.dump(as_data(recs, exitstatus, about), f, indent=1)
+            json.dump(as_data(recs, exitstatus, about, stale), f, indent=1)
         terminalreporter.write_line(f"report data written to {path}")

@@ -21,6 +21,8 @@ from tests.scalers import make_scaler
     (["--rank-timeout", "0"], "--rank-timeout 0.0: must be a positive number of seconds"),
     (["--report", "/nonexistent/dir/r.md"], "--report '/nonexistent/dir/r.md': cannot be written (No such file"),
     (["--report-json", "/nonexistent/dir/r.json"], "--report-json '/nonexistent/dir/r.json': cannot be written"),
+    (["--xfails-file", "/nonexistent/x.txt"], "--xfails-file '/nonexistent/x.txt': cannot be read (No such file"),
+    (["--xfails-file", "pytest.ini"], "--xfails-file 'pytest.ini' line 1: '[pytest]' is not a test id"),
 ])
 def test_a_bad_option_is_a_usage_error_naming_it(args, message):
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/matrix/test_axes.py", "-p", "no:cacheprovider",

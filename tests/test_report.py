@@ -83,3 +83,19 @@ def test_a_failure_in_a_file_without_a_family_makes_the_headline_unexpected(pyte
     text = (pytester.path / "r.md").read_text()
     assert text.startswith("**UNEXPECTED OUTCOMES: 1 failed"), text
     assert "| ours | 1/0/0/0 |" in text and "| test_zz_new.py | 0/1/0/0 |" in text, text
+
+
+def test_xfails_file_entries_match_a_test_or_every_param_of_a_function(tmp_path):
+    from tests import xfails
+
+    path = tmp_path / "x.txt"
+    path.write_text("# ours\n\ntests/a.py::test_f[p1]  # T-1\ntests/a.py::test_g\ntests/a.py::test_gone\n")
+    entries = xfails.read(str(path))
+    assert [(e.check, e.reason, e.line) for e in entries] == [
+        ("tests/a.py::test_f[p1]", "T-1", 3), ("tests/a.py::test_g", f"listed in {path}", 4),
+        ("tests/a.py::test_gone", f"listed in {path}", 5)]
+    ran = ["tests/a.py::test_f[p1]", "tests/a.py::test_f[p2]", "tests/a.py::test_g[x]", "tests/a.py::test_gx[y]"]
+    assert [xfails.find(entries, n) and xfails.find(entries, n).line for n in ran] == [3, None, 4, None]
+    stale = xfails.unmatched(entries, ran)
+    assert [e.check for e in stale] == ["tests/a.py::test_gone"]
+    assert "line 5: tests/a.py::test_gone" in report.render([], markdown=False, stale=stale)

@@ -5,6 +5,7 @@ module; from its directory it runs this suite (as a git submodule checkout would
 `--scaler their_pkg.scalers:<factory>`. A correct scaler gets a green run; a broken one a red run
 that names the failed checks.
 """
+import json
 import subprocess
 import sys
 import textwrap
@@ -48,11 +49,19 @@ def consumer(tmp_path_factory):
     return project
 
 
-def run_suite(project, factory):
+def run_suite(project, factory, *extra):
     # the README's adoption command, run from the consumer's checkout
     cmd = [sys.executable, "-m", "pytest", ROOT, "-n", "2", "-m", "conformance or matrix", "-k", SLICE,
-           "-p", "no:cacheprovider", "--scaler", f"their_pkg.scalers:{factory}"]
+           "-p", "no:cacheprovider", "--scaler", f"their_pkg.scalers:{factory}", *extra]
     return subprocess.run(cmd, cwd=project, env=clean_env(), capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def broken_run(consumer):
+    """The broken scaler's run, and the checks it failed (as data: the report's JSON records)."""
+    proc = run_suite(consumer, "broken", f"--report-json={consumer / 'broken.json'}")
+    records = json.loads((consumer / "broken.json").read_text())["records"]
+    return proc, sorted(r["nodeid"] for r in records if r["outcome"] == "failed")
 
 
 def test_their_correct_scaler_gets_a_green_run(consumer):
@@ -61,10 +70,34 @@ def test_their_correct_scaler_gets_a_green_run(consumer):
     assert "All as expected" in proc.stdout and " passed" in proc.stdout
 
 
-def test_their_broken_scaler_gets_a_red_run_naming_the_failed_checks(consumer):
-    proc = run_suite(consumer, "broken")
+def test_their_broken_scaler_gets_a_red_run_naming_the_failed_checks(broken_run):
+    proc, _ = broken_run
     assert proc.returncode == 1, proc.stdout[-5000:] + proc.stderr[-3000:]
     failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
     assert any("test_inf_on_some_ranks_makes_every_rank_skip_and_back_off" in line for line in failed), failed
     assert any("test_fsdp_matches_ddp" in line for line in failed), failed
     assert "UNEXPECTED OUTCOMES" in proc.stdout
+
+
+def test_their_known_bugs_in_an_xfails_file_give_a_green_run(consumer, broken_run):
+    """A team that lists its scaler's known failures (--xfails-file) gets a green gate: "nothing new broke"."""
+    _, failed = broken_run
+    assert failed, "the broken scaler failed nothing: this test proves nothing"
+    (consumer / "xfails.txt").write_text("# our scaler decides found_inf per rank (TICKET-1)\n"
+                                         + "".join(f"{nodeid}  # TICKET-1\n" for nodeid in failed))
+    proc = run_suite(consumer, "broken", f"--xfails-file={consumer / 'xfails.txt'}")
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TICKET-1 (--xfails-file line") >= 1 and "All as expected" in proc.stdout
+
+
+def test_a_check_outside_the_xfails_file_makes_it_red_and_a_stale_entry_is_named(consumer, broken_run):
+    _, failed = broken_run
+    left_out, listed = failed[0], failed[1:]
+    stale = "tests/conformance/test_ranks.py::test_no_such_check"
+    (consumer / "xfails-partial.txt").write_text("".join(f"{nodeid}  # TICKET-1\n" for nodeid in listed) + stale + "\n")
+    proc = run_suite(consumer, "broken", f"--xfails-file={consumer / 'xfails-partial.txt'}")
+    assert proc.returncode == 1, proc.stdout[-5000:] + proc.stderr[-3000:]
+    failed_lines = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed_lines) == 1 and left_out in failed_lines[0], failed_lines
+    assert "UNEXPECTED OUTCOMES: 1 failed" in proc.stdout
+    assert f"line {len(listed) + 1}: {stale}" in proc.stdout, "the entry that matches no test must be named"
