@@ -10,7 +10,7 @@ import torch
 from tests import xfails
 from tests.harness import ranks
 from tests.matrix import implementations
-from tests.scalers import BUILTINS, known_bug, resolve, skip_reason
+from tests.scalers import BUILTINS, known_bug, repro_bug, resolve, skip_reason
 
 pytest_plugins = ["tests.report", "pytester"]  # the compatibility report at the end of every run; child runs
 
@@ -82,9 +82,23 @@ def pytest_collection_modifyitems(config, items):
         if "scaler" not in params:
             _their_xfail(item, theirs)
             continue
-        bug = known_bug(params["scaler"], item.originalname, params, cuda)
-        timing = skip_reason(params["scaler"], item.originalname, params, cuda)
-        if timing and not (bug and bug.beats_race):
+        spec = params["scaler"]
+        bug = known_bug(spec, item.originalname, params, cuda)
+        anywhere = known_bug(spec, item.originalname, params, cuda, any_version=True)
+        timing = skip_reason(spec, item.originalname, params, cuda)
+        repro = item.get_closest_marker("repro_of")
+        if repro and not anywhere:  # a repro case: the bugs it shows, by id; the placement it races at, if any
+            try:
+                bug, anywhere = repro_bug(spec, repro.args), repro_bug(spec, repro.args, any_version=True)
+            except ValueError as exc:
+                raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
+            placement = repro.kwargs.get("placement")
+            timing = placement and skip_reason(spec, item.originalname, {"placement": placement}, cuda)
+            # the case shows its bug whatever the race (its author checked it on the GPU)
+            beats_now = beats_any = anywhere is not None
+        else:
+            beats_now, beats_any = bool(bug and bug.beats_race), bool(anywhere and anywhere.beats_race)
+        if timing and not beats_now:
             item.add_marker(pytest.mark.skip(reason=timing))
         elif bug:
             item.add_marker(pytest.mark.xfail(strict=True, reason=bug.reason))
@@ -92,8 +106,7 @@ def pytest_collection_modifyitems(config, items):
         else:
             _their_xfail(item, theirs)
         # the known bug of this check on any version: the version table tells "fixed here" from "never hit"
-        anywhere = known_bug(params["scaler"], item.originalname, params, cuda, any_version=True)
-        if anywhere and not (timing and not anywhere.beats_race):
+        if anywhere and not (timing and not beats_any):
             item.user_properties.append(("bug_any_version", anywhere.id))
 
 

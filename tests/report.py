@@ -61,20 +61,21 @@ def pytest_collection_modifyitems(items):
 
 
 def label(item) -> None:
-    """Attach (scaler, impl, family) to an item at collection; every item gets a family."""
+    """A check's identity, built once at collection from pytest's own data (the test function, its file, its
+    params): the test, the scaler spec, the FSDP implementation of a matrix cell, the report's family.
+    Carried as user_properties (xdist takes them to the controller), so the report, --report-json and the
+    child runs of the meta-tests (tests/child_run.py) read them as data; nothing parses a test id back."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     name = item.path.name
     cell = params.get("cell")
+    props = [("test", item.originalname)]
     if "scaler" in params and cell is not None:
-        props = [("scaler", params["scaler"]), ("impl", cell.impl), ("family", f"{cell.precision} {cell.offload}")]
+        props += [("scaler", params["scaler"]), ("impl", cell.impl), ("family", f"{cell.precision} {cell.offload}")]
     elif "scaler" in params:
-        props = [("scaler", params["scaler"]), ("family", FAMILIES.get(name, name))]
-    elif item.path.parent.name == "repro":
-        # parameterized.expand names a case test_<name>_<index>_<scaler>
-        scaler = next((s for s in sorted(BUILTINS, key=len, reverse=True) if item.name.endswith("_" + s)), None)
-        props = [("scaler", scaler), ("family", "repro")] if scaler else [("family", name)]
+        family = "repro" if item.path.parent.name == "repro" else FAMILIES.get(name, name)
+        props += [("scaler", params["scaler"]), ("family", family)]
     else:
-        props = [("family", name)]
+        props += [("family", name)]
     item.user_properties += props
 
 
@@ -216,7 +217,7 @@ def render(recs: list[dict], markdown: bool, exitstatus: int = 0, about: dict | 
 
 def as_data(recs: list[dict], exitstatus: int, about: dict, stale: tuple = ()) -> dict:
     """The report as plain data (--report-json): what ran where, every record, every known bug."""
-    keys = ("nodeid", "outcome", "scaler", "impl", "family", "bug", "bug_any_version")
+    keys = ("nodeid", "test", "outcome", "scaler", "impl", "family", "bug", "bug_any_version", "xfails_file")
     return {"versions": about, "exitstatus": int(exitstatus), "headline": headline(recs, exitstatus),
             "known_bugs": [{"id": b.id, "reason": b.reason, "torch": b.torch, "fairscale": b.fairscale,
                             "in_force": b.in_force} for b in KNOWN_BUGS],

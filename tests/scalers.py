@@ -343,6 +343,19 @@ def skip_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str | No
     return None
 
 
+def repro_bug(spec: str, bug_ids, any_version: bool = False) -> KnownBug | None:
+    """The known bug a repro case shows for this scaler: the first of its @pytest.mark.repro_of ids whose
+    entry names this built-in scaler (or is an FSDP implementation's bug: every scaler), where in force.
+    The entry's `tests` and `when` are the conformance/matrix checks' business: a repro case IS the bug."""
+    for bug_id in bug_ids:
+        if bug_id not in KNOWN_BUGS_BY_ID:
+            raise ValueError(f"repro_of({bug_id!r}): no KNOWN_BUGS entry has that id")
+        bug = KNOWN_BUGS_BY_ID[bug_id]
+        if (bug.scalers is None or (spec in BUILTINS and spec in bug.scalers)) and (any_version or bug.in_force):
+            return bug
+    return None
+
+
 def known_bug(spec: str, test_name: str, params: dict, cuda: bool, any_version: bool = False) -> KnownBug | None:
     """The known bug this test id hits: a built-in scaler's, or (any scaler) a built-in FSDP's.
     Only a bug in force on the installed versions, unless any_version (the report's "fixed" column)."""

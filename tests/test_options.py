@@ -1,16 +1,17 @@
 """Bad input to the suite's own options is a clear error naming what was wrong: a usage error at
 start-up for a bad spec or timeout, and a TypeError naming the factory when a --scaler or --fsdp
 factory returns the wrong kind of object. Never a hang, never a silent wrong result."""
-import subprocess
-import sys
+import os
 
 import pytest
 
-from tests.child_run import ROOT, clean_env
+from tests.child_run import ROOT, runpytest
 from tests.harness import run_on_ranks
 from tests.matrix import axes
 from tests.matrix.cell import train_cell
 from tests.scalers import make_scaler
+
+INI = os.path.join(ROOT, "pytest.ini")  # not an xfails file
 
 
 @pytest.mark.parametrize("args, message", [
@@ -22,14 +23,14 @@ from tests.scalers import make_scaler
     (["--report", "/nonexistent/dir/r.md"], "--report '/nonexistent/dir/r.md': cannot be written (No such file"),
     (["--report-json", "/nonexistent/dir/r.json"], "--report-json '/nonexistent/dir/r.json': cannot be written"),
     (["--xfails-file", "/nonexistent/x.txt"], "--xfails-file '/nonexistent/x.txt': cannot be read (No such file"),
-    (["--xfails-file", "pytest.ini"], "--xfails-file 'pytest.ini' line 1: '[pytest]' is not a test id"),
+    (["--xfails-file", INI], f"--xfails-file {INI!r} line 1: '[pytest]' is not a test id"),
 ])
-def test_a_bad_option_is_a_usage_error_naming_it(args, message):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/matrix/test_axes.py", "-p", "no:cacheprovider",
-                           "-p", "no:xdist", "--co", "-q", *args],
-                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert message in proc.stderr and "INTERNALERROR" not in proc.stderr, proc.stderr[-2000:]
+def test_a_bad_option_is_a_usage_error_naming_it(pytester, monkeypatch, args, message):
+    result = runpytest(pytester, monkeypatch, os.path.join(ROOT, "tests/matrix/test_axes.py"), "-p", "no:xdist",
+                       "--co", "-q", *args, timeout=120)
+    stderr = "\n".join(result.errlines)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, "\n".join(result.outlines[-30:]) + stderr[-2000:]
+    assert message in stderr and "INTERNALERROR" not in stderr, stderr[-2000:]
 
 
 def test_a_scaler_factory_returning_a_non_scaler_is_named():

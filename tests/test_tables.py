@@ -47,15 +47,14 @@ def test_a_stale_entry_is_named():
 
 
 def test_a_reworded_reason_keeps_its_repro_and_an_unknown_id_fails_loudly(monkeypatch):
-    """Repro files name their bug by its id, never by words of its reason: rewording keeps them working,
-    and an id that names no entry is a KeyError at import (a collection error), not a lost xfail."""
+    """Repro cases name their bug by its id (@pytest.mark.repro_of), never by words of its reason: rewording
+    keeps them working, and an id that names no entry is an error naming it (a usage error at collection)."""
     from tests import scalers
-    from tests.repro.common import known
 
     bug = scalers.KNOWN_BUGS_BY_ID["fairscale-state-dict-after-backoff"]
     reworded = type(bug)(**{**bug.__dict__, "reason": "entirely new words"})
     monkeypatch.setitem(scalers.KNOWN_BUGS_BY_ID, bug.id, reworded)
-    assert known(bug.id, {"fairscale_sharded"})["fairscale_sharded"] in ("entirely new words", scalers.KNOWN_BUGS_BY_ID[
-        "fairscale-disabled-without-cuda"].reason)  # without CUDA fairscale's scaler is its own known bug
-    with pytest.raises(KeyError, match="no-such-bug"):
-        known("no-such-bug", {"ours"})
+    assert scalers.repro_bug("fairscale_sharded", [bug.id], any_version=True).reason == "entirely new words"
+    assert scalers.repro_bug("ours", [bug.id], any_version=True) is None  # the entry names fairscale's scaler only
+    with pytest.raises(ValueError, match="repro_of\\('no-such-bug'\\): no KNOWN_BUGS entry has that id"):
+        scalers.repro_bug("ours", ["no-such-bug"])

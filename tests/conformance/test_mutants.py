@@ -1,7 +1,7 @@
 """The suite catches planted defects: each mutant scaler (mutants.py) must fail its named checks.
 
 Runs the conformance suite once, in a child pytest, against every mutant at once, and reads
-the per-test outcomes from its JUnit XML. `ours` itself is the control: it must pass there.
+the per-test outcomes from its report records (--report-json). `ours` itself is the control: it must pass there.
 """
 import pytest
 
@@ -12,20 +12,22 @@ pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"
 
 
-def _child_run(xml, specs, selection):
+def _child_run(out, specs, selection):
     """The conformance suite in a child pytest against specs; returns {(spec, test): [outcomes]}."""
-    out = child_run(xml, ["tests/conformance"], selection, scalers=specs)
-    return {(spec, test): o for (spec, test, _), o in out.items()}
+    result = {}
+    for rec in child_run(out, ["tests/conformance"], selection, scalers=specs):
+        result.setdefault((rec["scaler"], rec["test"]), []).append(rec["outcome"])
+    return result
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mutants")
     specs = ["ours"] + [f"tests.conformance.mutants:{name}" for name in EXPECTED]
-    result = _child_run(tmp / "all.xml", specs, f"not {HANG_TEST}")
+    result = _child_run(tmp / "all.json", specs, f"not {HANG_TEST}")
     # the hang check costs its 15 s timeout per scaler: run it only where a mutant expects it
     hang_specs = ["ours"] + [f"tests.conformance.mutants:{n}" for n, tests in EXPECTED.items() if HANG_TEST in tests]
-    result.update(_child_run(tmp / "hang.xml", hang_specs, HANG_TEST))
+    result.update(_child_run(tmp / "hang.json", hang_specs, HANG_TEST))
     return result
 
 

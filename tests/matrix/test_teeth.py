@@ -8,7 +8,7 @@ then the same slice with `ours` under plugged wrappers: a correct one passes, br
 """
 import pytest
 
-from tests.child_run import child_run
+from tests.child_run import child_run, outcomes
 
 pytestmark = [pytest.mark.matrix, pytest.mark.slow]
 
@@ -41,35 +41,35 @@ BROKEN = ["fsdp1_sums_grads"]  # implementations.py: reduces by SUM, no 1/world_
 @pytest.fixture(scope="module")
 def scalers(tmp_path_factory):
     specs = ["ours"] + [f"tests.conformance.mutants:{m}" for m in MUTANTS]
-    return child_run(tmp_path_factory.mktemp("teeth") / "scalers.xml", ["tests/matrix/test_matrix.py"], SLICE,
+    return child_run(tmp_path_factory.mktemp("teeth") / "scalers.json", ["tests/matrix/test_matrix.py"], SLICE,
                      scalers=specs, marker="matrix")
 
 
 @pytest.fixture(scope="module")
 def wrappers(tmp_path_factory):
     fsdps = [f"{WRAPPERS}:fsdp1", f"{WRAPPERS}:fsdp2"] + [f"{WRAPPERS}:{b}" for b in BROKEN]
-    return child_run(tmp_path_factory.mktemp("teeth") / "wrappers.xml", ["tests/matrix/test_matrix.py"], "ws2",
+    return child_run(tmp_path_factory.mktemp("teeth") / "wrappers.json", ["tests/matrix/test_matrix.py"], "ws2",
                      scalers=["ours"], fsdps=fsdps, marker="matrix")
 
 
 def test_ours_passes_every_cell_of_the_slice(scalers):
-    got = scalers.get(("ours", "test_fsdp_matches_ddp", None), [])
+    got = outcomes(scalers, scaler="ours", test="test_fsdp_matches_ddp")
     assert "passed" in got and set(got) <= {"passed", "skipped"}, got  # skipped: needs a GPU
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_mutant_fails_cells(scalers, mutant):
-    got = scalers.get((f"tests.conformance.mutants:{mutant}", "test_fsdp_matches_ddp", None), [])
+    got = outcomes(scalers, scaler=f"tests.conformance.mutants:{mutant}", test="test_fsdp_matches_ddp")
     assert "failed" in got, f"{mutant}: no matrix cell failed ({got or 'no results'})"
 
 
 @pytest.mark.parametrize("impl", ["fsdp1", "fsdp2"])
 def test_a_correct_plugged_wrapper_passes_with_no_expected_failures(wrappers, impl):
-    got = wrappers.get(("ours", "test_fsdp_matches_ddp", f"{WRAPPERS}:{impl}"), [])
+    got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=f"{WRAPPERS}:{impl}")
     assert "passed" in got and set(got) <= {"passed", "skipped"}, got  # skipped: needs a GPU
 
 
 @pytest.mark.parametrize("broken", BROKEN)
 def test_a_broken_plugged_wrapper_fails_cells(wrappers, broken):
-    got = wrappers.get(("ours", "test_fsdp_matches_ddp", f"{WRAPPERS}:{broken}"), [])
+    got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=f"{WRAPPERS}:{broken}")
     assert "failed" in got, f"{broken}: no cell failed ({got or 'no results'})"

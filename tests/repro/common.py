@@ -1,45 +1,36 @@
 """The shape every repro file shares: one `reproduce(scaler)` body, two ways to run it.
 
-    python tests/repro/<file>.py      prints, per scaler, what happened and what should have
-    pytest -m repro                   the same body as unittest cases (parameterized.expand over the
-                                      built-in scalers): ours must not show the bug; each upstream
-                                      scaler the bug hits is a strict xfail whose reason is its entry
-                                      in tests/scalers.py KNOWN_BUGS (one home for every bug's text)
+    python tests/repro/<file>.py [--scaler SPEC ...]   prints, per scaler (the built-ins, or SPECs
+                                                       such as your_pkg.mod:factory), what happened
+                                                       and what should have
+    pytest -m repro [--scaler SPEC ...]                the same body as a test per scaler, from the root
+                                                       conftest's scaler parametrization like every check
+
+A case names the bugs it shows by KNOWN_BUGS id, `@pytest.mark.repro_of("bug-id", ...)`: for each
+scaler an entry names (every scaler for an FSDP implementation's bug), the root conftest makes the
+case a strict xfail with the entry's reason, as it does for the conformance and matrix checks (one
+engine, one table); every other scaler, plugged ones included, must not show the bug.
+`placement=` names where the case races (FINDINGS bug 2): a scaler without a bug there is skipped as
+timing-dependent, by the same policy as conformance (tests/scalers.py skip_reason).
 
 A body returns `Outcome(bug, happened, expected)`: whether the bug showed, and both stories in a
 sentence. Bodies that need ranks use the rank harness (gloo on CPU, or ranks sharing one GPU).
 """
 from __future__ import annotations
 
+import argparse
 import sys
-import unittest
 from typing import Callable, NamedTuple
 
+import pytest
 import torch
 
-from tests.scalers import BUILTINS, KNOWN_BUGS_BY_ID
-
-SCALERS = [(name,) for name in BUILTINS]  # parameterized.expand: one case per built-in scaler
-
+from tests.scalers import BUILTINS, known_bug, repro_bug, resolve
 
 class Outcome(NamedTuple):
     bug: bool        # did the bug show?
     happened: str    # what this scaler did
     expected: str    # what a correct scaler does
-
-
-def known(bug_id: str, scalers) -> dict[str, str]:
-    """{scaler: reason} for the KNOWN_BUGS entry bug_id, where it holds on the installed versions
-    (elsewhere it is fixed: every scaler must pass). An id that names no entry is an error (KeyError).
-
-    On a machine without CUDA, fairscale's scaler disables itself (its own KNOWN_BUGS entry), so
-    any repro that builds it there is a known failure for that reason instead.
-    """
-    bug = KNOWN_BUGS_BY_ID[bug_id]
-    hits = {s: bug.reason for s in scalers} if bug.in_force else {}  # fixed on this version
-    if not torch.cuda.is_available():
-        hits["fairscale_sharded"] = KNOWN_BUGS_BY_ID["fairscale-disabled-without-cuda"].reason
-    return hits
 
 
 def run(reproduce: Callable[[str], Outcome], scaler: str) -> Outcome:
@@ -71,46 +62,52 @@ def rank_without_grads(scaler: str, placement: str) -> Outcome:
                    f"stepped per rank {stepped}, scale per rank {scales}", expected)
 
 
-def needs_cuda(cls):
-    return unittest.skipUnless(torch.cuda.is_available(), "needs CUDA (one GPU): this bug lives in the CUDA "
-                               "code path; torch sees no GPU here")(cls)
+# a mark: on a test function, or in a module's pytestmark
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): this bug lives in the "
+                                "CUDA code path; torch sees no GPU here")
 
 
-class ReproCase(unittest.TestCase):
-    """Subclass with HITS = known(...) and a test that calls self.check(scaler, reproduce)."""
-
-    HITS: dict[str, str] = {}
-
-    def check(self, scaler: str, reproduce: Callable[[str], Outcome]) -> None:
-        outcome = run(reproduce, scaler)
-        story = f"{scaler}: {outcome.happened} (a correct scaler: {outcome.expected})"
-        if scaler not in self.HITS:
-            self.assertFalse(outcome.bug, story)
-        elif outcome.bug:
-            import pytest
-
-            pytest.xfail(self.HITS[scaler])
-        else:
-            self.fail(f"XPASS(strict): {scaler} no longer shows the known bug: {story}. Upstream may have fixed "
-                      f"it: update KNOWN_BUGS in tests/scalers.py. Known as: {self.HITS[scaler]}")
+def check(scaler: str, reproduce: Callable[[str], Outcome]) -> None:
+    """The pytest case: this scaler must not show the bug (where it is known to, the case is a strict xfail)."""
+    outcome = run(reproduce, scaler)
+    if outcome.bug:
+        pytest.fail(f"{scaler}: {outcome.happened} (a correct scaler: {outcome.expected})", pytrace=False)
 
 
-def main(reproduce: Callable[[str], Outcome], hits: dict[str, str], title: str) -> None:
-    """Plain-script mode: run the body for every built-in scaler and print what happened."""
+def _known_note(spec: str, test: Callable) -> str:
+    """" (known upstream bug: <id>)" where the pytest case of this spec is a strict xfail."""
+    cuda = torch.cuda.is_available()
+    ids = [bug_id for mark in getattr(test, "pytestmark", []) if mark.name == "repro_of" for bug_id in mark.args]
+    bug = known_bug(spec, test.__name__, {"scaler": spec}, cuda) or repro_bug(spec, ids)
+    return f" (known upstream bug: {bug.id})" if bug else ""
+
+
+def main(reproduce: Callable[[str], Outcome], test: Callable, title: str) -> None:
+    """Plain-script mode: run the body for every scaler (--scaler SPEC, repeatable; default the built-ins)
+    and print what happened. `test` is the pytest case whose repro_of marks say which bugs are known."""
     from tests.harness import shutdown_pools
 
+    parser = argparse.ArgumentParser(description=title)
+    parser.add_argument("--scaler", action="append", default=[], metavar="SPEC",
+                        help="a built-in name or package.module:factory (repeatable; default: the built-ins)")
+    specs = parser.parse_args().scaler or list(BUILTINS)
+    for spec in specs:
+        try:
+            resolve(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
     print(title)
     print(f"torch {torch.__version__}, CUDA {'available' if torch.cuda.is_available() else 'not available'}\n")
-    for scaler in BUILTINS:
+    width = max(18, *(len(s) for s in specs))
+    for scaler in specs:
         try:
             outcome = run(reproduce, scaler)
         except BaseException as exc:  # noqa: B902 - pytest.skip (no GPU) is a BaseException
-            print(f"{scaler:18s} skipped: {exc}")
+            print(f"{scaler:{width}s} skipped: {exc}")
             continue
         verdict = "BUG" if outcome.bug else "ok"
-        known_note = " (known upstream bug)" if scaler in hits else ""
-        print(f"{scaler:18s} {verdict}{known_note if outcome.bug else ''}: {outcome.happened}")
+        print(f"{scaler:{width}s} {verdict}{_known_note(scaler, test) if outcome.bug else ''}: {outcome.happened}")
         if outcome.bug:
-            print(f"{'':18s} should have: {outcome.expected}")
+            print(f"{'':{width}s} should have: {outcome.expected}")
     shutdown_pools()
     sys.stdout.flush()

@@ -18,14 +18,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pytest  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd  # noqa: E402
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("bf16-cuda-unscale-kernel", {"torch_amp", "torch_sharded", "fairscale_sharded"})
 
 
 def _bf16_step(scaler):
@@ -48,13 +46,10 @@ def bf16_grads(scaler):
 
 
 @needs_cuda
-class TestBf16GradsOnCuda(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_clean_step_with_bf16_grads_on_cuda(self, scaler):
-        self.check(scaler, bf16_grads)
+@pytest.mark.repro_of("bf16-cuda-unscale-kernel")
+def test_clean_step_with_bf16_grads_on_cuda(scaler):
+    check(scaler, bf16_grads)
 
 
 if __name__ == "__main__":
-    main(bf16_grads, HITS, "bf16 grads on CUDA: one clean scaled step (1 rank)")
+    main(bf16_grads, test_clean_step_with_bf16_grads_on_cuda, "bf16 grads on CUDA: one clean scaled step (1 rank)")

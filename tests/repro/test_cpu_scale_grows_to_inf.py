@@ -18,14 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa: E402
+from tests.repro.common import Outcome, check, main  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"})
 TOP = 2.0**127  # float32 max is just under 2**128: one more growth is inf
 
 
@@ -57,13 +55,11 @@ def clean_steps_at_the_top(scaler):
                    "growth skipped: scale stays [2**127, 2**127, 2**127], steps applied [True, True, True]")
 
 
-class TestCpuScaleGrowsToInf(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_growth_at_float32_max(self, scaler):
-        self.check(scaler, clean_steps_at_the_top)
+@pytest.mark.repro_of("sharded-cpu-scale-grows-to-inf")
+def test_growth_at_float32_max(scaler):
+    check(scaler, clean_steps_at_the_top)
 
 
 if __name__ == "__main__":
-    main(clean_steps_at_the_top, HITS, "Scale on CPU at 2**127, growth_interval 1, three clean steps")
+    main(clean_steps_at_the_top, test_growth_at_float32_max,
+         "Scale on CPU at 2**127, growth_interval 1, three clean steps")

@@ -19,14 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"})
 
 
 def _two_optimizers_both_inf(scaler):
@@ -55,14 +53,12 @@ def both_optimizers_overflow(scaler):
 
 
 @needs_cuda
-class TestFairscaleBackoffOnlyIfExactlyOne(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_two_optimizers_both_overflow(self, scaler):
-        self.check(scaler, both_optimizers_overflow)
+@pytest.mark.repro_of("fairscale-backoff-only-if-exactly-one")
+def test_two_optimizers_both_overflow(scaler):
+    check(scaler, both_optimizers_overflow)
 
 
 if __name__ == "__main__":
-    main(both_optimizers_overflow, HITS, "Scale on CPU, two optimizers that both see inf, growth_interval 1 "
+    main(both_optimizers_overflow, test_two_optimizers_both_overflow,
+         "Scale on CPU, two optimizers that both see inf, growth_interval 1 "
                                          "(needs a GPU)")

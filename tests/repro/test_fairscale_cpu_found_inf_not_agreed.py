@@ -23,21 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd  # noqa: E402
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
-from tests.scalers import skip_reason  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = {**known("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"}),
-        # torch.amp.GradScaler has no cross-rank agreement at all (it relies on DDP's all-reduced grads)
-        **known("torch-amp-not-shard-aware", {"torch_amp"})}
-# torch's ShardedGradScaler does agree here, but with CPU grads and a CUDA scale its outcome depends
-# on FINDINGS bug 2's async-copy race (test_async_copy_race_busy_gpu.py): neither a pass nor a strict
-# xfail, so the pytest case skips it (the script still prints what it did)
-RACY = {"torch_sharded": skip_reason("torch_sharded", "repro", {"placement": "offload"}, cuda=True)}
 
 
 def _one_step(scaler):
@@ -61,15 +52,15 @@ def inf_on_rank1(scaler):
 
 
 @needs_cuda
-class TestFairscaleCpuFoundInfNotAgreed(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_inf_on_rank1_with_cpu_grads(self, scaler):
-        if scaler in RACY:
-            self.skipTest(RACY[scaler])
-        self.check(scaler, inf_on_rank1)
+# torch.amp.GradScaler has no cross-rank agreement at all (it relies on DDP's all-reduced grads). torch's
+# ShardedGradScaler does agree here, but with CPU grads and a CUDA scale (placement "offload") its outcome
+# depends on FINDINGS bug 2's async-copy race (test_async_copy_race_busy_gpu.py): neither a pass nor a
+# strict xfail, so the pytest case skips it (the script still prints what it did)
+@pytest.mark.repro_of("fairscale-cpu-found-inf-not-agreed", "torch-amp-not-shard-aware", placement="offload")
+def test_inf_on_rank1_with_cpu_grads(scaler):
+    check(scaler, inf_on_rank1)
 
 
 if __name__ == "__main__":
-    main(inf_on_rank1, HITS, "fairscale ShardedGradScaler: CPU grads, an inf on rank 1 only (2 gloo ranks, one GPU)")
+    main(inf_on_rank1, test_inf_on_rank1_with_cpu_grads,
+         "fairscale ShardedGradScaler: CPU grads, an inf on rank 1 only (2 gloo ranks, one GPU)")

@@ -14,21 +14,18 @@ apply and the file skips.
 import math
 import os
 import sys
-import unittest
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa: E402
+from tests.repro.common import Outcome, check, main  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("fairscale-disabled-without-cuda", {"fairscale_sharded"})
 ONLY_WITHOUT_CUDA = ("fairscale's ShardedGradScaler disables itself only where CUDA is absent; "
                      "torch sees a GPU here, so the bug does not apply")
 
@@ -69,14 +66,12 @@ def inf_grad_on_cpu(scaler):
                    "stays enabled, skips the step on the inf grad and backs off: scale 256.0 -> 128.0")
 
 
-@unittest.skipIf(torch.cuda.is_available(), ONLY_WITHOUT_CUDA)
-class TestFairscaleDisablesItselfWithoutCuda(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_inf_grad_on_a_machine_without_cuda(self, scaler):
-        self.check(scaler, inf_grad_on_cpu)
+@pytest.mark.skipif(torch.cuda.is_available(), reason=ONLY_WITHOUT_CUDA)
+@pytest.mark.repro_of("fairscale-disabled-without-cuda")
+def test_inf_grad_on_a_machine_without_cuda(scaler):
+    check(scaler, inf_grad_on_cpu)
 
 
 if __name__ == "__main__":
-    main(inf_grad_on_cpu, HITS, "A scaler built on a machine without CUDA, then an inf grad (CPU)")
+    main(inf_grad_on_cpu, test_inf_grad_on_a_machine_without_cuda,
+         "A scaler built on a machine without CUDA, then an inf grad (CPU)")

@@ -21,15 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import rank_device, run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
 # a bug of the FSDP implementation: every scaler hits it, ours included
-HITS = known("fairscale-fsdp-mixed-precision-grads", {"ours", "torch_amp", "torch_sharded", "fairscale_sharded"})
 
 
 def _fsdp_step(scaler):
@@ -66,13 +64,11 @@ def fsdp_mixed_precision(scaler):
 
 
 @needs_cuda
-class TestFairscaleFsdpMixedPrecisionGrads(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_mixed_precision_unflattened_params_step(self, scaler):
-        self.check(scaler, fsdp_mixed_precision)
+@pytest.mark.repro_of("fairscale-fsdp-mixed-precision-grads")
+def test_mixed_precision_unflattened_params_step(scaler):
+    check(scaler, fsdp_mixed_precision)
 
 
 if __name__ == "__main__":
-    main(fsdp_mixed_precision, HITS, "fairscale FSDP(mixed_precision=True, flatten_parameters=False), world size 1")
+    main(fsdp_mixed_precision, test_mixed_precision_unflattened_params_step,
+         "fairscale FSDP(mixed_precision=True, flatten_parameters=False), world size 1")

@@ -18,14 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.conformance.problem import Problem, build_scaler, equal_lists  # noqa: E402
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"})
 
 
 def _fused_step(scaler):
@@ -46,13 +44,10 @@ def fused_adamw(scaler):
 
 
 @needs_cuda
-class TestFairscaleFusedOptimizerKwarg(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_clean_step_with_fused_adamw(self, scaler):
-        self.check(scaler, fused_adamw)
+@pytest.mark.repro_of("fairscale-fused-optimizer-kwarg")
+def test_clean_step_with_fused_adamw(scaler):
+    check(scaler, fused_adamw)
 
 
 if __name__ == "__main__":
-    main(fused_adamw, HITS, "A clean step with AdamW(fused=True) on CUDA (1 rank)")
+    main(fused_adamw, test_clean_step_with_fused_adamw, "A clean step with AdamW(fused=True) on CUDA (1 rank)")

@@ -20,15 +20,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pytest  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.repro import common  # noqa: E402
-from tests.repro.common import SCALERS, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import check, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = {**known("fairscale-rank-without-grads", {"fairscale_sharded"}),
-        # torch.amp.GradScaler has no cross-rank agreement; on the rank without grads it raises the same assert
-        **known("torch-amp-not-shard-aware", {"torch_amp"})}
 
 
 def rank_without_grads(scaler):  # params and grads on CUDA
@@ -36,13 +32,12 @@ def rank_without_grads(scaler):  # params and grads on CUDA
 
 
 @needs_cuda
-class TestFairscaleRankWithoutGrads(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_rank_without_grads_takes_part(self, scaler):
-        self.check(scaler, rank_without_grads)
+# torch.amp.GradScaler has no cross-rank agreement; on the rank without grads it raises the same assert
+@pytest.mark.repro_of("fairscale-rank-without-grads", "torch-amp-not-shard-aware")
+def test_rank_without_grads_on_cuda_takes_part(scaler):
+    check(scaler, rank_without_grads)
 
 
 if __name__ == "__main__":
-    main(rank_without_grads, HITS, "A rank without grads (2 gloo ranks, one GPU, grads on CUDA)")
+    main(rank_without_grads, test_rank_without_grads_on_cuda_takes_part,
+         "A rank without grads (2 gloo ranks, one GPU, grads on CUDA)")

@@ -18,14 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("fairscale-state-dict-after-backoff", {"fairscale_sharded"})
 
 
 def _state_after_backoff(scaler):
@@ -50,13 +48,11 @@ def state_dict_after_backoff(scaler):
 
 
 @needs_cuda
-class TestFairscaleStateDictAfterBackoff(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_state_dict_after_a_backoff(self, scaler):
-        self.check(scaler, state_dict_after_backoff)
+@pytest.mark.repro_of("fairscale-state-dict-after-backoff")
+def test_state_dict_after_a_backoff(scaler):
+    check(scaler, state_dict_after_backoff)
 
 
 if __name__ == "__main__":
-    main(state_dict_after_backoff, HITS, "Scale on CPU, one overflow, then state_dict() (needs a GPU)")
+    main(state_dict_after_backoff, test_state_dict_after_a_backoff,
+         "Scale on CPU, one overflow, then state_dict() (needs a GPU)")

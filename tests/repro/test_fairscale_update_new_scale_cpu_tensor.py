@@ -21,14 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.conformance.problem import Problem, build_scaler, sgd  # noqa: E402
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = known("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"})
 
 
 def _update_with_cpu_tensor(scaler):
@@ -50,13 +48,11 @@ def new_scale_cpu_tensor(scaler):
 
 
 @needs_cuda
-class TestFairscaleUpdateNewScaleCpuTensor(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_update_with_a_cpu_tensor_new_scale(self, scaler):
-        self.check(scaler, new_scale_cpu_tensor)
+@pytest.mark.repro_of("fairscale-update-new-scale-cpu-tensor")
+def test_update_with_a_cpu_tensor_new_scale(scaler):
+    check(scaler, new_scale_cpu_tensor)
 
 
 if __name__ == "__main__":
-    main(new_scale_cpu_tensor, HITS, "update(new_scale=<CPU tensor>) with the scale on CPU (1 rank)")
+    main(new_scale_cpu_tensor, test_update_with_a_cpu_tensor_new_scale,
+         "update(new_scale=<CPU tensor>) with the scale on CPU (1 rank)")

@@ -26,15 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import rank_device, run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
 # a bug of the FSDP implementation: every scaler hits it, ours included
-HITS = known("fsdp1-keeplow-offload-grad-dtype", {"ours", "torch_amp", "torch_sharded", "fairscale_sharded"})
 STEPS = 3
 
 
@@ -74,13 +72,11 @@ def keeplow_offload(scaler):
 
 
 @needs_cuda
-class TestFsdp1KeepLowPrecisionGradsWithCpuOffload(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_zero_grad_to_none_then_backward(self, scaler):
-        self.check(scaler, keeplow_offload)
+@pytest.mark.repro_of("fsdp1-keeplow-offload-grad-dtype")
+def test_zero_grad_to_none_then_backward(scaler):
+    check(scaler, keeplow_offload)
 
 
 if __name__ == "__main__":
-    main(keeplow_offload, HITS, "FSDP1 keep_low_precision_grads + CPUOffload, zero_grad in both modes (1 rank)")
+    main(keeplow_offload, test_zero_grad_to_none_then_backward,
+         "FSDP1 keep_low_precision_grads + CPUOffload, zero_grad in both modes (1 rank)")

@@ -27,15 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main, needs_cuda, run  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda, run  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-CPU_HITS = known("fairscale-disabled-without-cuda", set())  # only fairscale's, and only without CUDA
-GPU_HITS = {}  # both crashes are fixed for every built-in scaler
+# both crashes are fixed for every built-in scaler (without CUDA fairscale's disables itself: its own known bug)
 
 # (a): who unscales CPU grads, and since when
 FIXED_A = {
@@ -126,25 +124,18 @@ def scale_cpu_loss(scaler):
                    "scale() returns loss * 256 on CPU; the step unscales exactly and applies; scale stays 256.0")
 
 
-class TestCrashA(ReproCase):
-    HITS = CPU_HITS
+def test_the_op_runs_on_cpu_grads():
+    outcome = op_on_cpu_grads()
+    assert not outcome.bug, f"{outcome.happened} (want: {outcome.expected})"
 
-    def test_the_op_runs_on_cpu_grads(self):
-        outcome = op_on_cpu_grads()
-        self.assertFalse(outcome.bug, f"{outcome.happened} (want: {outcome.expected})")
 
-    @parameterized.expand(SCALERS)
-    def test_cpu_grads_unscaled_and_checked(self, scaler):
-        self.check(scaler, unscale_cpu_grads)
+def test_cpu_grads_unscaled_and_checked(scaler):
+    check(scaler, unscale_cpu_grads)
 
 
 @needs_cuda
-class TestCrashB(ReproCase):
-    HITS = GPU_HITS
-
-    @parameterized.expand(SCALERS)
-    def test_cuda_scaler_takes_a_cpu_loss(self, scaler):
-        self.check(scaler, scale_cpu_loss)
+def test_cuda_scaler_takes_a_cpu_loss(scaler):
+    check(scaler, scale_cpu_loss)
 
 
 if __name__ == "__main__":
@@ -153,7 +144,9 @@ if __name__ == "__main__":
     print(f"{'the op itself':18s} {'BUG' if op.bug else 'ok'}: {op.happened}")
     if op.bug:
         print(f"{'':18s} should have: {op.expected}")
-    main(unscale_cpu_grads, CPU_HITS, "\nSeed crash (a) through each scaler: CPU grads and scale, a clean step, "
+    main(unscale_cpu_grads, test_cpu_grads_unscaled_and_checked,
+         "\nSeed crash (a) through each scaler: CPU grads and scale, a clean step, "
                                       "then an inf step")
-    main(scale_cpu_loss, GPU_HITS, "\nSeed crash (b): a CUDA scaler's scale() given the loss moved to CPU "
+    main(scale_cpu_loss, test_cuda_scaler_takes_a_cpu_loss,
+         "\nSeed crash (b): a CUDA scaler's scale() given the loss moved to CPU "
                                    "(needs a GPU)")

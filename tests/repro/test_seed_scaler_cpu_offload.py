@@ -36,14 +36,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, main, needs_cuda  # noqa: E402
+from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 from tests.scalers import make_scaler, skip_reason  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = {}  # both seed repros pass with every built-in scaler today
+# both seed repros pass with every built-in scaler today
 
 
 def _seed_scaler(spec):
@@ -172,8 +171,9 @@ def _outcome(out, steps, timing_dependent=False):
 
 def scaler_cpu_offload(scaler):
     out = run_on_ranks(_test_scaler_cpu_offload, scaler, world_size=1, device="cuda")[0]
-    # the suite's own table says which built-ins race here (scale on CUDA, grads on CPU)
-    return _outcome(out, 1, timing_dependent=bool(skip_reason(scaler, "repro", {"placement": "offload"}, cuda=True)))
+    # the suite's own table says which built-ins race here (scale on CUDA, grads on CPU: placement "offload")
+    racy = skip_reason(scaler, "test_scaler_cpu_offload", {"placement": "offload"}, cuda=True)
+    return _outcome(out, 1, timing_dependent=bool(racy))
 
 
 def train_for_several_steps(scaler):
@@ -182,20 +182,19 @@ def train_for_several_steps(scaler):
 
 
 @needs_cuda
-class TestSeedScalerCpuOffload(ReproCase):
-    HITS = HITS
+def test_scaler_cpu_offload(scaler):
+    check(scaler, scaler_cpu_offload)
 
-    @parameterized.expand(SCALERS)
-    def test_scaler_cpu_offload(self, scaler):
-        self.check(scaler, scaler_cpu_offload)
 
-    @parameterized.expand(SCALERS)
-    def test_train_for_several_steps_loss_on_model_device(self, scaler):
-        self.check(scaler, train_for_several_steps)
+@needs_cuda
+def test_train_for_several_steps_loss_on_model_device(scaler):
+    check(scaler, train_for_several_steps)
 
 
 if __name__ == "__main__":
-    main(scaler_cpu_offload, HITS, "Seed repro 1: test_scaler_cpu_offload (fairscale FSDP cpu_offload + mixed "
+    main(scaler_cpu_offload, test_scaler_cpu_offload,
+         "Seed repro 1: test_scaler_cpu_offload (fairscale FSDP cpu_offload + mixed "
                                    "precision, loss on the GPU; needs a GPU)")
-    main(train_for_several_steps, HITS, "\nSeed repro 2: _train_for_several_steps, loss.to(model_device) (CPU), "
+    main(train_for_several_steps, test_train_for_several_steps_loss_on_model_device,
+         "\nSeed repro 2: _train_for_several_steps, loss.to(model_device) (CPU), "
                                         "2 steps (needs a GPU)")

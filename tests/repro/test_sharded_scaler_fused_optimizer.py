@@ -18,19 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa: E402
+from tests.repro.common import Outcome, check, main  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-# torch.amp.GradScaler never agrees across ranks (it relies on DDP's all-reduced grads), fused or not
-NOT_SHARD_AWARE = known("torch-amp-not-shard-aware-fsdp", {"torch_amp"})
-# fairscale's scaler cannot drive a fused optimizer at all (on CPU-only machines it is disabled instead)
-FAIRSCALE_FUSED = known("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"})
-AFTER_UNSCALE = {**FAIRSCALE_FUSED, **known("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"})}
-ONE_RANK = {**FAIRSCALE_FUSED, **known("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}), **NOT_SHARD_AWARE}
 
 
 def _fused_step(scaler, unscale_first, inf_on_rank):
@@ -62,20 +55,21 @@ def inf_on_one_rank(scaler):
                    "every rank skips: [False, False]")
 
 
-class TestShardedScalerFusedOptimizer(ReproCase):
-    @parameterized.expand(SCALERS)
-    def test_unscale_then_fused_step(self, scaler):
-        self.HITS = AFTER_UNSCALE
-        self.check(scaler, after_unscale)
+# fairscale's scaler cannot drive a fused optimizer at all (on CPU-only machines it is disabled instead)
+@pytest.mark.repro_of("torch-sharded-fused-adamw-after-unscale", "fairscale-fused-optimizer-kwarg")
+def test_unscale_then_fused_step(scaler):
+    check(scaler, after_unscale)
 
-    @parameterized.expand(SCALERS)
-    def test_inf_on_one_rank_with_fused_optimizer(self, scaler):
-        self.HITS = ONE_RANK
-        self.check(scaler, inf_on_one_rank)
+
+# torch.amp.GradScaler never agrees across ranks (it relies on DDP's all-reduced grads), fused or not
+@pytest.mark.repro_of("torch-sharded-fused-adamw-no-agreement", "fairscale-fused-optimizer-kwarg",
+                      "torch-amp-not-shard-aware-fsdp")
+def test_inf_on_one_rank_with_fused_optimizer(scaler):
+    check(scaler, inf_on_one_rank)
 
 
 if __name__ == "__main__":
-    main(after_unscale, AFTER_UNSCALE,
+    main(after_unscale, test_unscale_then_fused_step,
          "ShardedGradScaler + fused AdamW: unscale_ then step()")
-    main(inf_on_one_rank, ONE_RANK,
+    main(inf_on_one_rank, test_inf_on_one_rank_with_fused_optimizer,
          "\nShardedGradScaler + fused AdamW: an inf on one rank only (2 gloo ranks)")

@@ -19,16 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import SCALERS, Outcome, ReproCase, known, main  # noqa: E402
+from tests.repro.common import Outcome, check, main  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
 # fairscale's scaler: disabled without CUDA; with CUDA, FINDINGS bug 1 (its CPU found_inf is never agreed)
-HITS = {**known("torch-amp-not-shard-aware", {"torch_amp"}),
-        **known("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"})}
 
 
 def _inf_on_rank1(scaler):
@@ -53,13 +50,10 @@ def inf_on_one_rank(scaler):
                    "every rank skips and backs off: stepped [False, False], scale [128.0, 128.0]")
 
 
-class TestTorchAmpNotShardAware(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_inf_on_one_rank_of_two(self, scaler):
-        self.check(scaler, inf_on_one_rank)
+@pytest.mark.repro_of("torch-amp-not-shard-aware", "fairscale-cpu-found-inf-not-agreed")
+def test_inf_on_one_rank_of_two(scaler):
+    check(scaler, inf_on_one_rank)
 
 
 if __name__ == "__main__":
-    main(inf_on_one_rank, HITS, "Sharded grads, an inf on rank 1 only (2 gloo ranks, CPU)")
+    main(inf_on_one_rank, test_inf_on_one_rank_of_two, "Sharded grads, an inf on rank 1 only (2 gloo ranks, CPU)")

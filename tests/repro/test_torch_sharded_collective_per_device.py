@@ -20,17 +20,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pytest  # noqa: E402
-from parameterized import parameterized  # noqa: E402
 
 from tests.repro import common  # noqa: E402
-from tests.repro.common import SCALERS, ReproCase, known, main, needs_cuda  # noqa: E402
+from tests.repro.common import check, main, needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.repro
-HITS = {**known("torch-sharded-collective-per-device", {"torch_sharded"}),
-        # not this bug, but deterministic here: fairscale records no found_inf on the rank without grads
-        # (test_fairscale_rank_without_grads.py), and torch.amp.GradScaler has no cross-rank agreement
-        **known("fairscale-rank-without-grads", {"fairscale_sharded"}),
-        **known("torch-amp-not-shard-aware", {"torch_amp"})}
 
 
 def rank_without_grads(scaler):  # params 0 and 2 on CPU, param 1 on CUDA; the scale on CUDA
@@ -38,14 +32,14 @@ def rank_without_grads(scaler):  # params 0 and 2 on CPU, param 1 on CUDA; the s
 
 
 @needs_cuda
-class TestTorchShardedCollectivePerDevice(ReproCase):
-    HITS = HITS
-
-    @parameterized.expand(SCALERS)
-    def test_rank_with_grads_on_two_devices_and_rank_without_grads(self, scaler):
-        self.check(scaler, rank_without_grads)
+# not this bug, but deterministic here: fairscale records no found_inf on the rank without grads
+# (test_fairscale_rank_without_grads.py), and torch.amp.GradScaler has no cross-rank agreement
+@pytest.mark.repro_of("torch-sharded-collective-per-device", "fairscale-rank-without-grads",
+                      "torch-amp-not-shard-aware")
+def test_rank_with_grads_on_two_devices_and_rank_without_grads(scaler):
+    check(scaler, rank_without_grads)
 
 
 if __name__ == "__main__":
-    main(rank_without_grads, HITS,
+    main(rank_without_grads, test_rank_with_grads_on_two_devices_and_rank_without_grads,
          "Grads on CPU and CUDA on rank 0, none on rank 1 (2 gloo ranks, one GPU, scale on CUDA)")

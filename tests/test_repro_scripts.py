@@ -1,0 +1,32 @@
+"""A repro file runs on any scaler: as a script with --scaler, and under pytest through the root conftest's
+scaler parametrization (a plugged scaler gets no built-in known bug: showing the bug fails its case)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.child_run import ROOT, clean_env, runpytest
+
+pytestmark = pytest.mark.harness
+REPRO = "tests/repro/test_cpu_scale_grows_to_inf.py"  # runs on CPU
+MUTANT = "tests.conformance.mutants:grows_to_inf"  # has that bug
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_script_shows_a_plugged_scalers_outcome():
+    proc = _run(REPRO, "--scaler", "ours", "--scaler", MUTANT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line and not line[0].isspace()}
+    assert lines["ours"].split()[1] == "ok:" and lines[MUTANT].split()[1] == "BUG:", proc.stdout
+    assert "known upstream bug" not in lines[MUTANT], "a plugged scaler has no built-in known bug"
+
+
+@pytest.mark.parametrize("spec, outcome", [("ours", {"passed": 1}), (MUTANT, {"failed": 1})])
+def test_the_repro_case_runs_on_a_plugged_scaler_under_pytest(pytester, monkeypatch, spec, outcome):
+    result = runpytest(pytester, monkeypatch, os.path.join(ROOT, REPRO), "-p", "no:xdist", "--scaler", spec)
+    result.assert_outcomes(**outcome)
