@@ -2,7 +2,7 @@
 
     python ci/probe_fsdp2_cpu.py        # one line per configuration, then fsdp2_cpu=ok|broken
 
-Measures the floor behind FSDP2_CPU_TORCH in tests/matrix/axes.py: every configuration the matrix
+Measures the floor behind FSDP2_CPU_TORCH in tests/matrix/implementations.py: every configuration the matrix
 and tests/conformance/test_fsdp2.py run on CPU (offload on/off, fp32/fp16/bf16, root/nested), three
 steps of forward, backward, unscale-free clip, SGD, then full_tensor() of every parameter.
 """
@@ -18,21 +18,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: its FSDP2 names
+
+from tests.matrix.implementations import fsdp2_api  # noqa: E402
+
 CONFIGS = list(itertools.product((False, True), (None, torch.float16, torch.bfloat16), (False, True)))
-
-
-def _api():
-    try:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # torch >= 2.6
-    except ImportError:
-        from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    return fully_shard, CPUOffloadPolicy, MixedPrecisionPolicy
 
 
 def _train(offload, dtype, nested):
     from torch.distributed.device_mesh import init_device_mesh
 
-    fully_shard, CPUOffloadPolicy, MixedPrecisionPolicy = _api()
+    api = fsdp2_api()
+    fully_shard, CPUOffloadPolicy, MixedPrecisionPolicy = api.fully_shard, api.CPUOffloadPolicy, api.MixedPrecisionPolicy
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     kw = dict(mesh=init_device_mesh("cpu", (dist.get_world_size(),)))

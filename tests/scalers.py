@@ -153,19 +153,18 @@ def cell_placement(cell, cuda: bool) -> str:
         return "cpu"
     if cell.offload != "offload":
         return "cuda"
-    # fairscale's offload path is the seed's: the loss is moved to the params' device (CPU) first
-    return "cpu_loss" if cell.impl == "fairscale" else "offload"
+    from tests.matrix.implementations import record  # a matrix fact; that module imports this one
+
+    # an implementation that moves the loss to the params' device (fairscale's seed path) scales it on CPU
+    return "cpu_loss" if record(cell.impl).loss_on_param_device else "offload"
 
 
 def cell_grad_dtype(cell) -> str:
     """A matrix cell in the conformance suite's dtype terms (problem.DTYPES): the grads its scaler gets."""
+    from tests.matrix.implementations import record
+
     low = {"fp16": "float16", "bf16": "bfloat16"}.get(cell.precision)
-    # FSDP1 keep_low_precision_grads; fairscale casts grads to the param dtype only after a reduction,
-    # so without offload at world size 1 (nothing to reduce) they stay low (FINDINGS bug 5's setting)
-    if low and (cell.grads == "keeplow" or (cell.impl == "fairscale" and cell.offload == "nooffload"
-                                            and cell.world_size == 1)):
-        return low
-    return "float32"
+    return low if low and record(cell.impl).low_precision_grads(cell) else "float32"
 
 
 def _param(params: dict, name: str, cuda: bool):

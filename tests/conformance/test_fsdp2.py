@@ -11,19 +11,11 @@ import torch.distributed as dist
 
 from tests.scalers import make_scaler
 from tests.harness import run_on_ranks
-from tests.matrix.axes import FSDP2_CPU_REASON, FSDP2_CPU_TORCH
+from tests.matrix.implementations import FSDP2_CPU_REASON, FSDP2_CPU_TORCH, fsdp2_api
 from tests.versions import holds
 
 pytestmark = [pytest.mark.conformance,
               pytest.mark.skipif(not torch.cuda.is_available() and holds(torch=FSDP2_CPU_TORCH), reason=FSDP2_CPU_REASON)]
-
-
-def _fully_shard():
-    try:
-        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard  # torch 2.4 / 2.5
-    return fully_shard
 
 
 def _fsdp2_step(spec, bad):
@@ -31,7 +23,7 @@ def _fsdp2_step(spec, bad):
 
     rank = dist.get_rank()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-    _fully_shard()(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    fsdp2_api().fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     s = make_scaler(spec, device="cpu", init_scale=256.0)
     s.scale(model(torch.randn(4, 8) + rank).square().mean()).backward()

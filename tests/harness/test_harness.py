@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.child_run import ROOT, clean_env
 from tests.harness import (RankDied, RankHung, RankRaised, configure, missing_requirement, rank_device,
                            run_on_ranks)
 from tests.harness import ranks as ranks_module
 
 pytestmark = pytest.mark.harness
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SESSIONS = os.path.join("tests", "harness", "sessions")
 
 
@@ -288,11 +288,7 @@ def test_missing_cuda_or_gpus_is_a_skip_with_a_reason():
 # ---------------------------------------------------------------- whole sessions (child pytest)
 
 def _env(token, out_dir, **extra):
-    env = dict(os.environ, HARNESS_LEAK_TOKEN=token, CASE_OUT_DIR=str(out_dir), **extra)
-    env.pop("PYTEST_XDIST_WORKER", None)
-    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
-    env.pop("PYTEST_ADDOPTS", None)
-    return env
+    return dict(clean_env(), HARNESS_LEAK_TOKEN=token, CASE_OUT_DIR=str(out_dir), **extra)
 
 
 def _processes_with(token):

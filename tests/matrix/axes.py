@@ -12,7 +12,6 @@ import collections
 import itertools
 from dataclasses import astuple, dataclass, fields
 
-from tests.versions import holds
 
 # axis -> its values, as they appear in test ids (in this order); meaning in the comments
 AXES = {
@@ -123,40 +122,14 @@ def missing_pairs(generated: list[Cell], impl: str) -> set:
     return _valid_pairs(impl) - have
 
 
-# FSDP2 on a machine without CUDA: torch < 2.7 touches CUDA in fully_shard's lazy init (first forward), so it
-# cannot run there. Measured with ci/probe_fsdp2_cpu.py (2 gloo ranks, offload on/off, fp32/fp16/bf16): 2.4.1
-# creates a torch.cuda.Stream (CUDA wheel without a GPU: "CUDA driver version is insufficient for CUDA runtime
-# version"), 2.5.1 raises "FSDP requires CUDA for streams", 2.6.0 "'Stream' object has no attribute
-# 'record_event'" (the CPU stream's record_event/wait_event came in pytorch/pytorch#145935); 2.7.0 trains.
-FSDP2_CPU_TORCH = "<2.7"
-FSDP2_CPU_REASON = (f"FSDP2 on CPU needs torch >= 2.7: on torch{FSDP2_CPU_TORCH} fully_shard's lazy init uses CUDA "
-                    f"streams (2.4, 2.5) or CPU stream methods 2.6 lacks (record_event: pytorch/pytorch#145935)")
-
-# FSDP2 with CUDA params over gloo ranks sharing one GPU segfaults in DTensor's functional collectives. Seen on
-# torch 2.11, the only torch run on a GPU here: claimed for every version until one is shown to run it.
-FSDP2_SHARED_GPU_TORCH = ""
-
-
 def skip_reason(cell: Cell, n_gpus: int) -> str | None:
-    """Why this machine cannot run the cell (n_gpus: CUDA devices visible), or None."""
-    ws = cell.world_size
-    if ws == 8 and n_gpus < 8:
+    """Why this machine cannot run the cell (n_gpus: CUDA devices visible), or None: what the matrix needs,
+    then what the cell's implementation declares it needs (implementations.py)."""
+    if cell.world_size == 8 and n_gpus < 8:
         return f"world size 8 runs only on a host with 8 GPUs (one per rank, NCCL); {n_gpus} visible"
-    if cell.impl == "fairscale":
-        if n_gpus == 0:
-            return "fairscale FSDP needs CUDA (hard-coded CUDA streams: KeyError 'all_gather' on CPU)"
-        if ws > n_gpus:
-            return (f"fairscale FSDP at world size {ws} needs NCCL with one GPU per rank (under gloo it fails a "
-                    f"reduce_scatter shape check); {n_gpus} GPU(s) visible")
-    if cell.impl == "fsdp2" and n_gpus == 0 and holds(torch=FSDP2_CPU_TORCH):
-        return FSDP2_CPU_REASON
-    if cell.impl == "fsdp2" and cell.offload == "nooffload" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
-        return (f"FSDP2 with CUDA params at world size {ws} needs NCCL with one GPU per rank: over gloo ranks sharing "
-                f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (seen on torch 2.11; "
-                f"assumed on torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until one runs it); {n_gpus} GPU(s) visible")
-    if cell.impl == "fsdp1" and cell.offload == "offload" and n_gpus == 0:
-        return "FSDP1 CPUOffload needs an accelerator (pin_memory: 'Cannot access accelerator device when none is available')"
-    return None
+    from tests.matrix.implementations import record  # it imports tests.scalers, which imports nothing of ours
+
+    return record(cell.impl).needs(cell, n_gpus)
 
 
 def harness_device(cell: Cell, n_gpus: int) -> str:

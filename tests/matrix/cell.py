@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.harness import rank_device
-from tests.matrix.implementations import Settings, resolve
+from tests.matrix.implementations import Settings, record
 from tests.scalers import make_scaler
 
 STEPS = 12
@@ -221,7 +221,7 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
                         nested=cell.wrapping == "nested", block_cls=Block, flat_params=cell.params == "flat",
                         reshard=cell.reshard == "reshard", low_precision_grads=cell.grads == "keeplow")
     try:
-        model = resolve(impl_spec)(copy.deepcopy(base), settings)
+        model = record(impl_spec).wrap(copy.deepcopy(base), settings)
     except NotImplementedError as exc:  # the wrapper cannot build this configuration here
         return CellRun(unsupported=f"{impl_spec}: {exc}")
     if not isinstance(model, nn.Module):
@@ -231,9 +231,9 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     scaler = make_scaler(scaler_spec, device=device.type, **SCALER_ARGS)
     ref = Reference(base, cell, device)
     fsdp_params, ref_params = list(model.parameters()), list(ref.master.parameters())
-    # the seed's path (fairscale + offload): the loss is moved to the params' device (CPU) before
-    # scaling, so the scale lives on CPU; elsewhere it is scaled where it was computed
-    seed_path = impl_spec == "fairscale" and settings.offload
+    # an implementation may move the loss to its params' device before scaling (fairscale's seed path: CPU with
+    # offload, so the scale lives on CPU); elsewhere it is scaled where it was computed
+    seed_path = record(impl_spec).loss_on_param_device
     clip = getattr(model, "clip_grad_norm_", None) or (
         lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     log = {side: {"loss": [], "stepped": [], "scale": []} for side in ("fsdp", "ref")}

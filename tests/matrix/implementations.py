@@ -9,15 +9,27 @@ call it; otherwise `torch.nn.utils.clip_grad_norm_` over its parameters (correct
 DTensors). A configuration the wrapper cannot build here: raise NotImplementedError("why"), and
 the cell skips with that reason. Nothing else is asked of it: the loop, the scaler and the
 comparison are the matrix's.
+
+Everything the matrix knows of an implementation is its record (`record(spec)` -> `Implementation`):
+the factory, and what the factory declares as optional attributes (`@declare(...)` sets them; a
+plugged factory may set the same, a plain function gets the defaults):
+
+    needs(cell, n_gpus) -> str | None     why this machine cannot run the cell (it skips at collection)
+    loss_on_param_device: bool            the loss is moved to the params' device before scaling, so
+                                          the scale lives there (fairscale's seed path: CPU with offload)
+    low_precision_grads(cell) -> bool     the scaler gets grads in the reduce dtype (not fp32) in this cell
 """
 from __future__ import annotations
 
+import functools
+import types
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from tests.scalers import load_factory
+from tests.versions import holds
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,41 @@ class Settings:
     reshard: bool             # free the full params after forward (re-gather in backward)
     low_precision_grads: bool = False  # leave the grads in dtype for the scaler and optimizer
                                        # (FSDP1 keep_low_precision_grads); else upcast to fp32
+
+
+def _needs_nothing(cell, n_gpus):
+    return None
+
+
+def _keeps_low_if_asked(cell):
+    return cell.grads == "keeplow"
+
+
+def declare(needs=_needs_nothing, loss_on_param_device=False, low_precision_grads=_keeps_low_if_asked):
+    """A factory's declarations, as its attributes (see the module docstring)."""
+    def apply(factory):
+        factory.needs, factory.loss_on_param_device = needs, loss_on_param_device
+        factory.low_precision_grads = low_precision_grads
+        return factory
+    return apply
+
+
+@dataclass(frozen=True)
+class Implementation:
+    spec: str
+    wrap: Callable
+    needs: Callable
+    loss_on_param_device: bool
+    low_precision_grads: Callable
+
+
+@functools.lru_cache(maxsize=None)
+def record(spec: str) -> Implementation:
+    """The implementation behind a --fsdp spec (a built-in name or package.module:factory)."""
+    factory = resolve(spec)
+    return Implementation(spec, factory, getattr(factory, "needs", _needs_nothing),
+                          bool(getattr(factory, "loss_on_param_device", False)),
+                          getattr(factory, "low_precision_grads", _keeps_low_if_asked))
 
 
 def _blocks_innermost_first(module, block_cls):
@@ -47,13 +94,18 @@ def _wrap_children(module, block_cls, wrap):
             setattr(module, child_name, wrap(child))
 
 
+def _fsdp1_needs(cell, n_gpus):
+    if cell.offload == "offload" and n_gpus == 0:
+        return "FSDP1 CPUOffload needs an accelerator (pin_memory: 'Cannot access accelerator device when none is available')"
+    return None
+
+
+@declare(needs=_fsdp1_needs)
 def fsdp1(module, s: Settings):
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    if s.offload and s.device.type != "cuda":
-        raise NotImplementedError("FSDP1 CPUOffload needs an accelerator (pin_memory)")
     return FSDP(module.to(s.device), device_id=s.device, use_orig_params=not s.flat_params,
                 sharding_strategy=ShardingStrategy.FULL_SHARD if s.reshard else ShardingStrategy.SHARD_GRAD_OP,
                 mixed_precision=MixedPrecision(param_dtype=s.dtype, reduce_dtype=s.dtype,
@@ -62,19 +114,45 @@ def fsdp1(module, s: Settings):
                 auto_wrap_policy=ModuleWrapPolicy({s.block_cls}) if s.nested else None)
 
 
-def _fully_shard():
+def fsdp2_api():
+    """FSDP2's names, where this torch has them: fully_shard, CPUOffloadPolicy, MixedPrecisionPolicy."""
     try:
-        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard  # torch 2.4 / 2.5
-    return fully_shard
+        from torch.distributed import fsdp as api  # torch >= 2.6
+        api.fully_shard  # noqa: B018 - 2.4 / 2.5 have the package but not the name
+    except (ImportError, AttributeError):
+        from torch.distributed._composable import fsdp as api  # torch 2.4 / 2.5
+    return types.SimpleNamespace(fully_shard=api.fully_shard, CPUOffloadPolicy=api.CPUOffloadPolicy,
+                                 MixedPrecisionPolicy=api.MixedPrecisionPolicy)
 
 
+# FSDP2 on a machine without CUDA: torch < 2.7 touches CUDA in fully_shard's lazy init (first forward), so it
+# cannot run there. Measured with ci/probe_fsdp2_cpu.py (2 gloo ranks, offload on/off, fp32/fp16/bf16): 2.4.1
+# creates a torch.cuda.Stream (CUDA wheel without a GPU: "CUDA driver version is insufficient for CUDA runtime
+# version"), 2.5.1 raises "FSDP requires CUDA for streams", 2.6.0 "'Stream' object has no attribute
+# 'record_event'" (the CPU stream's record_event/wait_event came in pytorch/pytorch#145935); 2.7.0 trains.
+FSDP2_CPU_TORCH = "<2.7"
+FSDP2_CPU_REASON = (f"FSDP2 on CPU needs torch >= 2.7: on torch{FSDP2_CPU_TORCH} fully_shard's lazy init uses CUDA "
+                    f"streams (2.4, 2.5) or CPU stream methods 2.6 lacks (record_event: pytorch/pytorch#145935)")
+
+# FSDP2 with CUDA params over gloo ranks sharing one GPU segfaults in DTensor's functional collectives. Seen on
+# torch 2.11, the only torch run on a GPU here: claimed for every version until one is shown to run it.
+FSDP2_SHARED_GPU_TORCH = ""
+
+
+def _fsdp2_needs(cell, n_gpus):
+    ws = cell.world_size
+    if n_gpus == 0 and holds(torch=FSDP2_CPU_TORCH):
+        return FSDP2_CPU_REASON
+    if cell.offload == "nooffload" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
+        return (f"FSDP2 with CUDA params at world size {ws} needs NCCL with one GPU per rank: over gloo ranks sharing "
+                f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (seen on torch 2.11; "
+                f"assumed on torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until one runs it); {n_gpus} GPU(s) visible")
+    return None
+
+
+@declare(needs=_fsdp2_needs)
 def fsdp2(module, s: Settings):
-    try:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-    except ImportError:
-        from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    api = fsdp2_api()
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -83,17 +161,34 @@ def fsdp2(module, s: Settings):
     mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
     kw = dict(mesh=mesh, reshard_after_forward=s.reshard)
     if s.dtype:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=s.dtype, reduce_dtype=s.dtype)
+        kw["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=s.dtype, reduce_dtype=s.dtype)
     if s.offload:  # pinned memory needs an accelerator; on CPU the offload is a plain CPU copy
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=s.device.type == "cuda")
+        kw["offload_policy"] = api.CPUOffloadPolicy(pin_memory=s.device.type == "cuda")
     module = module.to(s.device)
     if s.nested:
         for block in _blocks_innermost_first(module, s.block_cls):
-            _fully_shard()(block, **kw)
-    _fully_shard()(module, **kw)
+            api.fully_shard(block, **kw)
+    api.fully_shard(module, **kw)
     return module
 
 
+def _fairscale_needs(cell, n_gpus):
+    ws = cell.world_size
+    if n_gpus == 0:
+        return "fairscale FSDP needs CUDA (hard-coded CUDA streams: KeyError 'all_gather' on CPU)"
+    if ws > n_gpus:
+        return (f"fairscale FSDP at world size {ws} needs NCCL with one GPU per rank (under gloo it fails a "
+                f"reduce_scatter shape check); {n_gpus} GPU(s) visible")
+    return None
+
+
+def _fairscale_low_precision_grads(cell):
+    # it casts grads to the param dtype only after a reduction, so without offload at world size 1 (nothing
+    # to reduce) they stay in the compute dtype (FINDINGS bug 5's setting)
+    return cell.offload == "nooffload" and cell.world_size == 1
+
+
+@declare(needs=_fairscale_needs, loss_on_param_device=True, low_precision_grads=_fairscale_low_precision_grads)
 def fairscale(module, s: Settings):
     from fairscale.nn.data_parallel import FullyShardedDataParallel as FS
 
@@ -129,6 +224,7 @@ def _sum_hook(state, grad, output=None):
         dist.reduce_scatter_tensor(output, grad)
 
 
+@declare(needs=_fsdp1_needs)
 def fsdp1_sums_grads(module, s: Settings):
     """FSDP1 whose gradient reduction forgets the 1/world_size average (a custom comm hook)."""
     import torch.distributed as dist

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tests.matrix import axes
+from tests.matrix import axes, implementations
 
 pytestmark = pytest.mark.matrix
 
@@ -35,3 +35,28 @@ def test_ids_are_unique_and_read_like_the_config():
 def test_a_plugged_implementation_replaces_the_axis():
     cells = axes.cells(["mypkg.wrappers:make"])
     assert {c.impl for c in cells} == {"mypkg.wrappers:make"} and cells[0].id.startswith("mypkg.wrappers-make-")
+
+
+@implementations.declare(needs=lambda cell, n_gpus: None if n_gpus else "needs a GPU: their wrapper pins memory",
+                         loss_on_param_device=True)
+def their_declared_wrapper(module, settings):
+    return implementations.fsdp1(module, settings)
+
+
+def their_plain_wrapper(module, settings):
+    return implementations.fsdp1(module, settings)
+
+
+def test_an_implementation_is_one_record_a_plugged_factory_can_declare_too():
+    """What the matrix knows of an implementation (what it needs of the machine, where its loss is scaled, the
+    grads its scaler gets) is its record: the built-ins' and a plugged factory's declarations, or defaults."""
+    declared, plain = f"{__name__}:their_declared_wrapper", f"{__name__}:their_plain_wrapper"
+    cell = next(c for c in axes.cells([declared]) if c.world_size == 1)
+    assert axes.skip_reason(cell, n_gpus=0) == "needs a GPU: their wrapper pins memory"
+    assert axes.skip_reason(cell, n_gpus=1) is None
+    assert implementations.record(declared).loss_on_param_device
+    plain_record = implementations.record(plain)
+    assert plain_record.needs(cell, 0) is None and not plain_record.loss_on_param_device
+    assert implementations.record("fairscale").loss_on_param_device and not implementations.record("fsdp1").loss_on_param_device
+    offload = next(c for c in axes.cells(["fsdp1"]) if c.offload == "offload")
+    assert "FSDP1 CPUOffload needs an accelerator" in axes.skip_reason(offload, n_gpus=0)
