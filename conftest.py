@@ -69,7 +69,7 @@ def pytest_generate_tests(metafunc):
 
 def pytest_collection_modifyitems(config, items):
     # before -m/-k deselect anything (conftest hooks run before the mark plugin's): the tables that
-    # name tests are checked against this (tests/test_tables.py), when it is the whole built-in suite
+    # name tests are checked against this (tests/meta/test_tables.py), when it is the whole built-in suite
     if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("--fsdp"):
         from tests.report import WHOLE_SUITE  # a plugin of this conftest: imported once pytest registered it
 

@@ -1,6 +1,6 @@
 """Run a slice of this suite in a child pytest against some --scaler / --fsdp specs; read the outcomes.
 
-The teeth tests (conformance/test_mutants.py, matrix/test_teeth.py) use it to check that planted
+The teeth tests (tests/meta/test_mutants.py, test_teeth.py) use it to check that planted
 defects fail and the controls pass, in the same run. The child writes its report as data
 (--report-json): each record names its test function, scaler spec and FSDP implementation, so nothing
 here parses a test id back.

@@ -28,7 +28,7 @@ FAMILIES = {  # test file -> the column it counts in
 }
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
 # set by the root conftest at collection when the whole built-in suite is collected: the tables that
-# name tests are checked against it (tests/test_tables.py)
+# name tests are checked against it (tests/meta/test_tables.py)
 WHOLE_SUITE = pytest.StashKey[list]()
 
 

@@ -1,8 +1,10 @@
-"""Scalers with one planted defect each: the conformance suite must fail every one of them.
+"""Every planted defect of the suite, in one home: scalers and FSDP wrappers with one defect each.
 
-Each is `ours` with a single clause of the contract broken, the kind of bug seen upstream. Use
-one with `--scaler tests.conformance.mutants:<name>`; test_mutants.py runs them all and checks
-that the tests named in EXPECTED fail (and that every mutant fails something).
+Scalers: `ours` with a single clause of the contract broken, the kind of bug seen upstream. Use one
+with `--scaler tests.conformance.mutants:<name>`; tests/meta/test_mutants.py runs them all and checks
+that the tests named in EXPECTED fail (and that every mutant fails something); tests/meta/test_teeth.py
+runs some through the matrix. FSDP wrappers (at the end): a built-in with one defect a user's wrapper
+could have, `--fsdp tests.conformance.mutants:<name>`; test_teeth.py checks they fail matrix cells.
 """
 import contextlib
 import math
@@ -415,3 +417,36 @@ _CLASSES = {re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower().replace("na_n"
             for cls in DeviceSplitGradScaler.__subclasses__() if cls.__module__ == __name__}
 assert set(_CLASSES) == set(EXPECTED)
 globals().update({name: _factory(cls) for name, cls in _CLASSES.items()})
+
+
+# ------------------------------------------------------------------ broken FSDP wrappers (--fsdp)
+
+def _sum_hook(state, grad, output=None):
+    """An FSDP1 comm hook that reduces by SUM and never divides by the world size."""
+    import torch.distributed as dist
+
+    if output is None:  # NO_SHARD strategies pass only grad
+        dist.all_reduce(grad)
+    else:
+        dist.reduce_scatter_tensor(output, grad)
+
+
+def _fsdp1_with_one_defect(wrapper):
+    """Declared as FSDP1 is (what it needs of the machine, ...): only the planted defect differs."""
+    from tests.matrix import implementations
+
+    fsdp1 = implementations.fsdp1
+    return implementations.declare(needs=fsdp1.needs, loss_on_param_device=fsdp1.loss_on_param_device,
+                                   low_precision_grads=fsdp1.low_precision_grads)(wrapper)
+
+
+@_fsdp1_with_one_defect
+def fsdp1_sums_grads(module, settings):
+    """FSDP1 whose gradient reduction forgets the 1/world_size average (a custom comm hook)."""
+    import torch.distributed as dist
+
+    from tests.matrix import implementations
+
+    model = implementations.fsdp1(module, settings)
+    model.register_comm_hook(dist.group.WORLD, _sum_hook)
+    return model

@@ -209,26 +209,3 @@ BUILTINS: dict[str, Callable] = {"fairscale": fairscale, "fsdp1": fsdp1, "fsdp2"
 def resolve(spec: str) -> Callable:
     """A --fsdp spec (a built-in name or package.module:factory) -> its factory."""
     return load_factory("--fsdp", spec, BUILTINS)
-
-
-# ------------------------------------------------------------------ broken wrappers (for the teeth test)
-# Each is a built-in with one defect a user's wrapper could have; test_teeth.py checks they fail.
-
-def _sum_hook(state, grad, output=None):
-    """An FSDP1 comm hook that reduces by SUM and never divides by the world size."""
-    import torch.distributed as dist
-
-    if output is None:  # NO_SHARD strategies pass only grad
-        dist.all_reduce(grad)
-    else:
-        dist.reduce_scatter_tensor(output, grad)
-
-
-@declare(needs=_fsdp1_needs)
-def fsdp1_sums_grads(module, s: Settings):
-    """FSDP1 whose gradient reduction forgets the 1/world_size average (a custom comm hook)."""
-    import torch.distributed as dist
-
-    model = fsdp1(module, s)
-    model.register_comm_hook(dist.group.WORLD, _sum_hook)
-    return model

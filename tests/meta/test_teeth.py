@@ -34,8 +34,9 @@ MUTANTS = [  # tests/conformance/mutants.py: the defects the matrix's schedule (
     "init_scale_ignored",
     "ignores_d_tensor_grads",       # FSDP2 cells
 ]
-WRAPPERS = "tests.matrix.implementations"
-BROKEN = ["fsdp1_sums_grads"]  # implementations.py: reduces by SUM, no 1/world_size average
+WRAPPERS = "tests.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
+PLANTED = "tests.conformance.mutants"  # the broken wrappers live with the planted scalers
+BROKEN = ["fsdp1_sums_grads"]  # reduces by SUM, no 1/world_size average
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def scalers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wrappers(tmp_path_factory):
-    fsdps = [f"{WRAPPERS}:fsdp1", f"{WRAPPERS}:fsdp2"] + [f"{WRAPPERS}:{b}" for b in BROKEN]
+    fsdps = [f"{WRAPPERS}:fsdp1", f"{WRAPPERS}:fsdp2"] + [f"{PLANTED}:{b}" for b in BROKEN]
     return child_run(tmp_path_factory.mktemp("teeth") / "wrappers.json", ["tests/matrix/test_matrix.py"], "ws2",
                      scalers=["ours"], fsdps=fsdps, marker="matrix")
 
@@ -71,5 +72,5 @@ def test_a_correct_plugged_wrapper_passes_with_no_expected_failures(wrappers, im
 
 @pytest.mark.parametrize("broken", BROKEN)
 def test_a_broken_plugged_wrapper_fails_cells(wrappers, broken):
-    got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=f"{WRAPPERS}:{broken}")
+    got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=f"{PLANTED}:{broken}")
     assert "failed" in got, f"{broken}: no cell failed ({got or 'no results'})"

@@ -7,7 +7,7 @@ import pytest
 
 pytestmark = pytest.mark.harness
 
-_spec = importlib.util.spec_from_file_location("ci_versions", pathlib.Path(__file__).parents[1] / "ci" / "versions.py")
+_spec = importlib.util.spec_from_file_location("ci_versions", pathlib.Path(__file__).parents[2] / "ci" / "versions.py")
 table = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(table)
 

@@ -19,7 +19,7 @@ from tests.harness import (RankDied, RankHung, RankRaised, configure, missing_re
 from tests.harness import ranks as ranks_module
 
 pytestmark = pytest.mark.harness
-SESSIONS = os.path.join("tests", "harness", "sessions")
+SESSIONS = os.path.join("tests", "meta", "sessions")
 
 
 # ---------------------------------------------------------------- bodies (run on the ranks)

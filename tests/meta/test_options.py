@@ -45,7 +45,7 @@ def returns_its_state_dict(module, settings):
 
 
 def test_an_fsdp_factory_returning_a_non_module_is_named():
-    spec = "tests.test_options:returns_its_state_dict"
+    spec = f"{__name__}:returns_its_state_dict"
     cell = next(c for c in axes.cells([spec]) if c.world_size == 1)
     with pytest.raises(Exception, match=rf"--fsdp {spec}: factory\(module, settings\) returned an object of "
                                         r"type OrderedDict"):
