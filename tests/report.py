@@ -25,6 +25,7 @@ FAMILIES = {  # test file -> the column it counts in
     "test_ranks.py": "across ranks",
     "test_busy_gpu.py": "busy GPU",
     "test_fsdp2.py": "FSDP2",
+    "test_sizes.py": "model sizes",
 }
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
 # set by the root conftest at collection when the whole built-in suite is collected: the tables that

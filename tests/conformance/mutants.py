@@ -363,6 +363,29 @@ class AgreesForFirstOptimizerOnly(DeviceSplitGradScaler):
         return super()._agree(found)
 
 
+class ChecksFirstListChunkOnly(DeviceSplitGradScaler):
+    """Only the first 48 grads of each (device, dtype) group are checked, the rest unscaled unchecked (a
+    multi-tensor launch over one list chunk): invisible to problems of a handful of params."""
+
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        _check_and_unscale(grads[:48], found_inf, inv_scale)
+        if len(grads) > 48:
+            torch._foreach_mul_(grads[48:], inv_scale)
+
+
+class ChecksFirstBlockOfEachGrad(DeviceSplitGradScaler):
+    """Each grad is checked in its first 65536 elements only (one CUDA chunk); all of it is unscaled:
+    invisible to grads of a few hundred elements."""
+
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        _check_and_unscale([g.view(-1)[:65536] for g in grads], found_inf, inv_scale)
+        tails = [g.view(-1)[65536:] for g in grads if g.numel() > 65536]
+        if tails:
+            torch._foreach_mul_(tails, inv_scale)
+
+
 def _factory(cls):
     def make(**kwargs):
         return cls(**kwargs)
@@ -411,6 +434,8 @@ EXPECTED = {
     "agrees_only_in_step": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"],
     "agrees_for_first_optimizer_only": ["test_each_optimizer_agrees_across_ranks"],
     "ignores_d_tensor_grads": ["test_fsdp2_dtensor_grads_agree_across_ranks"],
+    "checks_first_list_chunk_only": ["test_an_overflow_anywhere_in_a_model_sized_problem_is_seen"],
+    "checks_first_block_of_each_grad": ["test_an_overflow_anywhere_in_a_model_sized_problem_is_seen"],
 }
 
 _CLASSES = {re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower().replace("na_n", "nan"): cls

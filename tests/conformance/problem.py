@@ -52,7 +52,7 @@ class Problem:
     """n_params parameters (round-robin over the placement's devices) with exact targets c_i."""
 
     def __init__(self, placement: str, dtype: str = "float32", n_params: int = 3, seed_offset: int = 0,
-                 numel: int = 6):
+                 numel: int | list[int] = 6):  # a list: each param's own size
         spec = PLACEMENTS[placement]
         self.placement, self.dtype = placement, DTYPES[dtype]
         self.loss_device = _device(spec["loss"])
@@ -61,8 +61,9 @@ class Problem:
         self.params, self.targets = [], []
         for i in range(n_params):
             dev = _device(spec["params"][i % len(spec["params"])])
-            p = (torch.randint(-8, 8, (numel,), generator=g).to(self.dtype) / 8).to(dev)
-            c = (torch.randint(-4, 4, (numel,), generator=g).to(self.dtype) / 8).to(dev)
+            n = numel[i] if isinstance(numel, list) else numel
+            p = (torch.randint(-8, 8, (n,), generator=g).to(self.dtype) / 8).to(dev)
+            c = (torch.randint(-4, 4, (n,), generator=g).to(self.dtype) / 8).to(dev)
             self.params.append(p.requires_grad_())
             self.targets.append(c)
 
