@@ -100,14 +100,19 @@ class MissesNegativeInf(DeviceSplitGradScaler):
         torch._foreach_mul_(grads, inv_scale)
 
 
+def _checks_first(k):
+    """A group check that checks only the first k grads of the group and unscales the rest unchecked."""
+    def check(grads, found_inf, inv_scale):
+        _check_and_unscale(grads[:k], found_inf, inv_scale)
+        if len(grads) > k:
+            torch._foreach_mul_(grads[k:], inv_scale)
+    return staticmethod(check)
+
+
 class ChecksFirstGradOnly(DeviceSplitGradScaler):
     """Only the first grad of each (device, dtype) group is checked (fairscale before PR 890)."""
 
-    @staticmethod
-    def _check_and_unscale(grads, found_inf, inv_scale):
-        _check_and_unscale(grads[:1], found_inf, inv_scale)
-        if len(grads) > 1:
-            torch._foreach_mul_(grads[1:], inv_scale)
+    _check_and_unscale = _checks_first(1)
 
 
 class SkipsLowPrecisionCheck(DeviceSplitGradScaler):
@@ -367,11 +372,7 @@ class ChecksFirstListChunkOnly(DeviceSplitGradScaler):
     """Only the first 48 grads of each (device, dtype) group are checked, the rest unscaled unchecked (a
     multi-tensor launch over one list chunk): invisible to problems of a handful of params."""
 
-    @staticmethod
-    def _check_and_unscale(grads, found_inf, inv_scale):
-        _check_and_unscale(grads[:48], found_inf, inv_scale)
-        if len(grads) > 48:
-            torch._foreach_mul_(grads[48:], inv_scale)
+    _check_and_unscale = _checks_first(48)
 
 
 class ChecksFirstBlockOfEachGrad(DeviceSplitGradScaler):
