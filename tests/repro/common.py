@@ -27,6 +27,7 @@ import torch
 
 from tests.scalers import BUILTINS, known_bug, repro_bug, resolve
 
+
 class Outcome(NamedTuple):
     bug: bool        # did the bug show?
     happened: str    # what this scaler did
