@@ -6,6 +6,7 @@ decided by the tables in tests/scalers.py.
 """
 import pytest
 import torch
+from hypothesis import Phase, settings
 
 from tests import xfails
 from tests.harness import ranks
@@ -13,6 +14,19 @@ from tests.matrix import implementations
 from tests.scalers import BUILTINS, known_bug, repro_bug, resolve, skip_reason
 
 pytest_plugins = ["tests.report", "pytester"]  # the compatibility report at the end of every run; child runs
+
+# Hypothesis profiles (tests/conformance/test_sequences.py), chosen with --hypothesis-profile=NAME.
+# ci (the default): derandomized, so a gate's verdict is the same on every run, and a budget sized to
+# the 2-core CI machine; no example database, so nothing is written into the tree.
+# deep: many more and longer sequences with fresh randomness, for a nightly job or a GPU runner; its
+# database (.hypothesis/) replays a failure first on the next run.
+# no-shrink: ci without shrinking, for child runs that only ask "is it caught" (tests/meta/test_mutants.py)
+settings.register_profile("ci", derandomize=True, max_examples=40, stateful_step_count=30, database=None,
+                          deadline=None, print_blob=False)
+settings.register_profile("deep", max_examples=1000, stateful_step_count=60, deadline=None, print_blob=True)
+settings.register_profile("no-shrink", settings.get_profile("ci"),
+                          phases=[p for p in Phase if p is not Phase.shrink])
+settings.load_profile("ci")
 
 
 def pytest_addoption(parser):

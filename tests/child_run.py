@@ -26,7 +26,7 @@ def runpytest(pytester, monkeypatch, *args, timeout: float = 600):
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
 
 
-def child_run(out, paths: list, selection: str, scalers=(), fsdps=(), marker="not slow") -> list[dict]:
+def child_run(out, paths: list, selection: str, scalers=(), fsdps=(), marker="not slow", extra=()) -> list[dict]:
     """The child's records (tests/report.py as_data: nodeid, test, outcome, scaler, impl, ...), outcome in
     passed / failed / skipped / xfailed; `out` is where the child writes its --report-json."""
     cmd = [sys.executable, "-m", "pytest", *paths, "-m", marker, "-k", selection, "-q",
@@ -35,6 +35,7 @@ def child_run(out, paths: list, selection: str, scalers=(), fsdps=(), marker="no
         cmd += ["--scaler", spec]
     for spec in fsdps:
         cmd += ["--fsdp", spec]
+    cmd += list(extra)
     proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=1800)
     assert proc.returncode in (0, 1), proc.stdout[-5000:] + proc.stderr[-5000:]
     with open(out) as f:

@@ -26,6 +26,7 @@ FAMILIES = {  # test file -> the column it counts in
     "test_busy_gpu.py": "busy GPU",
     "test_fsdp2.py": "FSDP2",
     "test_sizes.py": "model sizes",
+    "test_sequences.py": "sequences",
 }
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
 # set by the root conftest at collection when the whole built-in suite is collected: the tables that

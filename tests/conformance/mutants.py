@@ -11,6 +11,7 @@ import math
 import re
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, _f32
 
@@ -387,6 +388,53 @@ class ChecksFirstBlockOfEachGrad(DeviceSplitGradScaler):
             torch._foreach_mul_(tails, inv_scale)
 
 
+class UnscaleMarksEveryOptimizer(DeviceSplitGradScaler):
+    """An explicit unscale_ (the clipping path) of one optimizer counts for all (one flag per scaler, not per
+    optimizer): another optimizer's step() then applies its grads still scaled, trusting the first's found_inf."""
+
+    _stepping = False
+    _unscaled = None
+
+    def unscale_(self, optimizer):
+        super().unscale_(optimizer)
+        if not self._stepping:  # step()'s own unscale_ is per optimizer, as it should be
+            self._unscaled = self._per_optimizer_states[id(optimizer)]
+
+    def step(self, optimizer, *args, **kwargs):
+        state = self._per_optimizer_states[id(optimizer)]
+        if self._unscaled is not None and state["stage"] is OptState.READY:
+            state.update(stage=OptState.UNSCALED, found_inf=self._unscaled["found_inf"])
+        self._stepping = True
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            self._stepping = False
+
+    def update(self, new_scale=None):
+        self._unscaled = None
+        super().update(new_scale)
+
+
+class LoadKeepsOwnSettings(DeviceSplitGradScaler):
+    """load_state_dict restores the scale and the tracker only; growth and backoff factors and the interval
+    stay what the resuming scaler was built with (checkpoint code that trusts its own config)."""
+
+    def load_state_dict(self, state_dict):
+        own = self._growth_factor, self._backoff_factor, self._growth_interval
+        super().load_state_dict(state_dict)
+        self._growth_factor, self._backoff_factor, self._growth_interval = own
+
+
+class ClampsScaleAtOne(DeviceSplitGradScaler):
+    """update() never leaves the scale below 1.0 (a min_scale floor, as some trainers add): a backoff
+    from 1 is refused and a scale that starts below 1 jumps up, so fp16 grads that need it overflow."""
+
+    def update(self, new_scale=None):
+        super().update(new_scale)
+        if self._enabled and new_scale is None and self._scale < 1.0:
+            self._set_scale(1.0)
+
+
 def _factory(cls):
     def make(**kwargs):
         return cls(**kwargs)
@@ -394,6 +442,7 @@ def _factory(cls):
     return make
 
 
+SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"
 # mutant factory name -> the test functions that must fail on it (at least one item each)
 EXPECTED = {
     "no_agreement": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off",
@@ -437,6 +486,10 @@ EXPECTED = {
     "ignores_d_tensor_grads": ["test_fsdp2_dtensor_grads_agree_across_ranks"],
     "checks_first_list_chunk_only": ["test_an_overflow_anywhere_in_a_model_sized_problem_is_seen"],
     "checks_first_block_of_each_grad": ["test_an_overflow_anywhere_in_a_model_sized_problem_is_seen"],
+    # sequences (test_sequences.py): each needs calls in an order no fixed schedule has
+    "unscale_marks_every_optimizer": [SEQUENCES],
+    "load_keeps_own_settings": [SEQUENCES],
+    "clamps_scale_at_one": [SEQUENCES],
 }
 
 _CLASSES = {re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower().replace("na_n", "nan"): cls

@@ -134,19 +134,75 @@ def f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float64).float().item()
 
 
+class ScalerModel:
+    """The GradScaler contract in plain Python: the oracle of test_sequences.py and reference_scales.
+
+    scale and growth tracker follow torch._amp_update_scale_ (float32 scale; a growth that would be inf
+    is not taken); each optimizer moves READY -> UNSCALED -> STEPPED until update(); an optimizer's step
+    is skipped iff any of its grads, on any rank, is inf or NaN since the last update(); update() backs
+    off once if any optimizer that was unscaled or stepped saw one, and new_scale replaces the scale,
+    keeping the tracker. Preconditions (allows) keep a sequence inside the API's legal uses.
+    """
+
+    def __init__(self, init_scale, growth_factor, backoff_factor, growth_interval, n_optimizers=1):
+        self.scale, self.tracker = f32(init_scale), 0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.stage = ["READY"] * n_optimizers
+        self.nonfinite = [False] * n_optimizers  # a non-finite grad since the last update(), per optimizer
+        self.backwards = 0  # backward passes since the last update() (gradient accumulation)
+
+    def allows(self, op: str, opt: int = 0) -> bool:
+        if op == "backward":  # before any unscale_/step of this iteration
+            return all(s == "READY" for s in self.stage)
+        if op == "resume":  # a checkpoint between iterations
+            return self.backwards == 0
+        if op == "update":
+            return any(s != "READY" for s in self.stage)
+        if opt >= len(self.stage) or not self.backwards:
+            return False
+        return self.stage[opt] == "READY" if op == "unscale_" else self.stage[opt] != "STEPPED"
+
+    def backward(self, bad_optimizer: int | None = None) -> None:
+        self.backwards += 1
+        if bad_optimizer is not None:
+            self.nonfinite[bad_optimizer] = True
+
+    def unscale_(self, opt: int) -> bool:
+        """-> whether this optimizer found inf/NaN (then its grads are not defined)."""
+        self.stage[opt] = "UNSCALED"
+        return self.nonfinite[opt]
+
+    def step(self, opt: int) -> bool:
+        """-> whether the optimizer stepped."""
+        self.stage[opt] = "STEPPED"
+        return not self.nonfinite[opt]
+
+    def update(self, found_inf: bool | None = None, new_scale: float | None = None) -> None:
+        """found_inf None: from the optimizers' stages (the stateful model); a bool: given (reference_scales)."""
+        if found_inf is None:
+            found_inf = any(bad for bad, s in zip(self.nonfinite, self.stage) if s != "READY")
+        if new_scale is not None:
+            self.scale = f32(new_scale)
+        elif found_inf:
+            self.scale, self.tracker = f32(self.scale * self.backoff_factor), 0
+        elif self.tracker + 1 == self.growth_interval:
+            grown = f32(self.scale * self.growth_factor)
+            self.scale = grown if math.isfinite(grown) else self.scale
+            self.tracker = 0
+        else:
+            self.tracker += 1
+        self.stage = ["READY"] * len(self.stage)
+        self.nonfinite = [False] * len(self.stage)
+        self.backwards = 0
+
+
 def reference_scales(init_scale, growth_factor, backoff_factor, growth_interval, found_inf_per_step):
     """The GradScaler rules (torch._amp_update_scale_) in plain Python: scale after each update."""
-    scale, tracker, out = f32(init_scale), 0, []
+    model = ScalerModel(init_scale, growth_factor, backoff_factor, growth_interval)
+    out = []
     for found in found_inf_per_step:
-        if found:
-            scale, tracker = f32(scale * backoff_factor), 0
-        else:
-            tracker += 1
-            if tracker == growth_interval:
-                grown = f32(scale * growth_factor)
-                scale = grown if math.isfinite(grown) else scale
-                tracker = 0
-        out.append(scale)
+        model.update(bool(found))
+        out.append(model.scale)
     return out
 
 

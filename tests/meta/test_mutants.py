@@ -10,12 +10,13 @@ from tests.conformance.mutants import EXPECTED
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"
+SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"
 
 
-def _child_run(out, specs, selection):
+def _child_run(out, specs, selection, extra=()):
     """The conformance suite in a child pytest against specs; returns {(spec, test): [outcomes]}."""
     result = {}
-    for rec in child_run(out, ["tests/conformance"], selection, scalers=specs):
+    for rec in child_run(out, ["tests/conformance"], selection, scalers=specs, extra=extra):
         result.setdefault((rec["scaler"], rec["test"]), []).append(rec["outcome"])
     return result
 
@@ -24,10 +25,14 @@ def _child_run(out, specs, selection):
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mutants")
     specs = ["ours"] + [f"tests.conformance.mutants:{name}" for name in EXPECTED]
-    result = _child_run(tmp / "all.json", specs, f"not {HANG_TEST}")
+    result = _child_run(tmp / "all.json", specs, f"not {HANG_TEST} and not {SEQUENCES}")
     # the hang check costs its 15 s timeout per scaler: run it only where a mutant expects it
     hang_specs = ["ours"] + [f"tests.conformance.mutants:{n}" for n, tests in EXPECTED.items() if HANG_TEST in tests]
     result.update(_child_run(tmp / "hang.json", hang_specs, HANG_TEST))
+    # the sequence test runs its whole example budget on every scaler it does not catch: only where expected,
+    # and unshrunk (a caught mutant need only fail; its readable sequence is test_sequences.py's own business)
+    seq_specs = ["ours"] + [f"tests.conformance.mutants:{n}" for n, tests in EXPECTED.items() if SEQUENCES in tests]
+    result.update(_child_run(tmp / "sequences.json", seq_specs, SEQUENCES, extra=["--hypothesis-profile=no-shrink"]))
     return result
 
 
