@@ -13,8 +13,9 @@ import math
 import pytest
 import torch
 
-from tests.conformance.problem import Problem, build_scaler, harness_device, placement_params
+from tests.conformance.problem import DTYPES, Problem, build_scaler, harness_device, placement_params
 from tests.harness import run_on_ranks
+from tests.scalers import make_scaler
 
 pytestmark = pytest.mark.conformance
 
@@ -57,3 +58,53 @@ def test_an_overflow_anywhere_in_a_model_sized_problem_is_seen(scaler, placement
         assert (out["stepped"], out["scale"]) == (0, 128.0), (
             f"{shape}: an inf in the {where} element of the {where} grad must skip the step (params changed: "
             f"{out['stepped']} of {out['n']}) and back off once (scale {out['scale']}, want 128.0)")
+
+
+# ------------------------------------------------------------------ past 2**31 elements (CUDA only)
+# Multi-tensor kernels index with 32 bits in places: an element past 2**31 is where such a kernel wraps
+# around. One grad of HUGE elements: 4 GiB in fp16/bf16, 8 GiB in fp32; grad and param both on the GPU.
+HUGE = 2**31 + 17
+HUGE_BYTES_PER_ELEMENT = {"float16": 2, "bfloat16": 2, "float32": 4}
+HEADROOM = 3  # param + grad, and as much again for the kernels' temporaries (the bf16 isfinite fallback)
+
+
+def _huge_step(spec, dtype, where):
+    free = torch.cuda.mem_get_info()[0]
+    need = HEADROOM * HUGE * HUGE_BYTES_PER_ELEMENT[dtype]
+    if free < need:
+        return dict(skip=f"a grad of 2**31 + 17 {dtype} elements needs {need / 2**30:.0f} GiB free on the GPU, "
+                         f"{free / 2**30:.0f} GiB are")
+    p = torch.nn.Parameter(torch.zeros(HUGE, dtype=DTYPES[dtype], device="cuda"))
+    opt = torch.optim.SGD([p], lr=0.5)
+    s = make_scaler(spec, device="cuda", init_scale=256.0)
+    s.scale(torch.ones((), device="cuda"))  # sets the scale's device, as a scaled loss would
+    p.grad = torch.full((HUGE,), 256.0 * 0.25, dtype=p.dtype, device="cuda")  # scale * the true grad 0.25
+    if where == "last":
+        p.grad[-1] = math.inf
+    s.unscale_(opt)
+    ends = [p.grad[i].item() for i in (0, 2**31 - 1, 2**31, HUGE - 1)]
+    s.step(opt)
+    s.update()
+    moved = [p[i].item() for i in (0, 2**31 - 1, 2**31, HUGE - 1)]
+    del p, opt
+    torch.cuda.empty_cache()
+    return dict(ends=ends, moved=moved, scale=s.get_scale())
+
+
+@pytest.mark.parametrize("where", ["clean", "last"])
+@pytest.mark.parametrize("dtype", sorted(HUGE_BYTES_PER_ELEMENT))
+@pytest.mark.parametrize("placement", placement_params(["cuda"]))
+def test_an_overflow_past_2_31_elements_is_seen(scaler, placement, dtype, where):
+    out = run_on_ranks(_huge_step, scaler, dtype, where, world_size=1, device=harness_device(placement, 1),
+                       timeout=120)[0]
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    if where == "clean":
+        assert out["ends"][1:] == [0.25] * 3, (
+            f"elements 2**31 - 1, 2**31 and the last of a clean grad must be unscaled exactly to 0.25: {out['ends']}")
+        assert out["moved"] == [-0.125] * 4 and out["scale"] == 256.0, (
+            f"a clean step applies to every element (want -0.125 at 0, 2**31 - 1, 2**31, last): {out}")
+    else:
+        assert out["moved"] == [0.0] * 4 and out["scale"] == 128.0, (
+            f"an inf in element 2**31 + 16 must skip the step and back off once: params {out['moved']}, "
+            f"scale {out['scale']} (want 128.0)")

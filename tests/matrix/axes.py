@@ -5,6 +5,9 @@ generated whole, and multiplied by the scalers under test in conftest.py. The PA
 covered in pairs: each cell of the full product gets one choice of them, picked greedily so that
 every pair of values (of two pairwise axes, or of a pairwise and a full axis) occurs in some cell.
 The whole product (x16) would cost 16x the run time for interactions of three or more settings.
+The MODEL axis is covered pairwise too, in a second pass over those cells: the cheap model everywhere,
+the wide one in as few cells as cover each of its pairs, so the other axes' choices (and the cells and
+ids that existed before the axis) stay as they were.
 """
 from __future__ import annotations
 
@@ -29,9 +32,13 @@ AXES = {
                                                # the reduce dtype (FSDP1 keep_low_precision_grads; SGD then
                                                # runs without foreach, which rejects fp16 grads on fp32 params)
     "clip": ("noclip", "clip"),                # clip: unscale_, then the implementation's clip_grad_norm_
+    "model": ("small", "wide"),                # small: 4 blocks, 10 params of up to 143 elements; wide: 314 params
+                                               # (150 side by side) and one of 281600 elements, more than four
+                                               # 65536-element chunks of CUDA's multi-tensor kernels (cell.py)
 }
 FULL = ("impl", "offload", "precision", "wrapping", "world_size")
 PAIRWISE = ("params", "reshard", "optimizer", "grads", "clip")
+MODEL = "model"  # pairwise, in a second pass; its first value is the default and is left out of ids
 ONLY = {  # (implementation, axis) -> the values it has; others are invalid
     ("fsdp2", "params"): ("orig",),
     ("fsdp2", "grads"): ("upcast",),      # no keep_low_precision_grads in FSDP2
@@ -68,11 +75,12 @@ class Cell:
     optimizer: str
     grads: str
     clip: str
+    model: str = AXES[MODEL][0]
 
     @property
     def id(self) -> str:
         return "-".join(f"ws{v}" if f.name == "world_size" else str(v).replace(":", "-")
-                        for f, v in zip(fields(self), astuple(self)))
+                        for f, v in zip(fields(self), astuple(self)) if not (f.name == MODEL and v == AXES[MODEL][0]))
 
     def __str__(self) -> str:
         return self.id
@@ -101,19 +109,36 @@ def cells(impls=AXES["impl"]) -> list[Cell]:
             used[best] += 1
             chosen = {**base, **dict(zip(PAIRWISE, best))}
             uncovered -= _pairs(chosen)
-            out.append(Cell(**chosen))
-    return out
+            out.append(chosen)
+    return [Cell(**config) for config in _with_models(out)]
+
+
+def _with_models(configs: list[dict]) -> list[dict]:
+    """Each config gets the default model, except the fewest (greedy) that cover every (wide, value) pair."""
+    configs = [{**c, MODEL: AXES[MODEL][0]} for c in configs]
+    for model in AXES[MODEL][1:]:
+        for impl in {c["impl"] for c in configs}:
+            mine = [c for c in configs if c["impl"] == impl]
+            uncovered = {pair for pair in _valid_pairs(impl) if (MODEL, model) in pair}
+            while uncovered:
+                # among equally good cells the smallest world size: more machines can run it
+                best = max(mine, key=lambda c: (len(_pairs({**c, MODEL: model}) & uncovered), -c["world_size"]))
+                uncovered -= _pairs({**best, MODEL: model})
+                best[MODEL] = model
+    return configs
 
 
 def _valid_pairs(impl: str) -> set:
-    values = {a: (impl,) if a == "impl" else _allowed(impl, a) for a in FULL + PAIRWISE}
-    return {((a, va), (b, vb)) for a, b in itertools.combinations(FULL + PAIRWISE, 2) if a in PAIRWISE or b in PAIRWISE
+    axes = FULL + PAIRWISE + (MODEL,)
+    values = {a: (impl,) if a == "impl" else _allowed(impl, a) for a in axes}
+    return {((a, va), (b, vb)) for a, b in itertools.combinations(axes, 2) if not (a in FULL and b in FULL)
             for va in values[a] for vb in values[b] if frozenset({(a, va), (b, vb)}) not in EXCLUDED}
 
 
 def _pairs(config: dict) -> set:
-    return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(FULL + PAIRWISE, 2)
-            if a in PAIRWISE or b in PAIRWISE}
+    axes = FULL + PAIRWISE + ((MODEL,) if MODEL in config else ())
+    return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(axes, 2)
+            if not (a in FULL and b in FULL)}
 
 
 def missing_pairs(generated: list[Cell], impl: str) -> set:

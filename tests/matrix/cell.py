@@ -11,9 +11,9 @@ reduction (all-reduce vs reduce-scatter), not in what is computed.
 The schedule (STEPS steps) makes the scaler do everything it is for, in every cell:
   step 2         the scale grows (growth_interval 3; growth 4x and backoff 0.5x, so neither factor is
                  the default nor the inverse of the other)
-  INJECT_STEP    +inf into one element of the LAST grad of the LAST rank's local shard
+  INJECT_STEP    +inf into the last element of the LAST grad of the LAST rank's local shard
   OVERFLOW_STEP  fp16 cells: rank 0's micro-batch overflows fp16 in the forward pass (inf and NaN);
-                 other cells: -inf into one element of the FIRST grad of rank 0's local shard
+                 other cells: -inf into the first element of the FIRST grad of rank 0's local shard
   RESUME_AFTER   the FSDP side's scaler is rebuilt from its saved state_dict (a checkpoint resume)
                  with its growth tracker at 1, so the growth at step 10 needs the tracker restored
 An injected value reaches every rank of the reference (DDP grads are replicated). The optimizer
@@ -64,9 +64,26 @@ class Block(nn.Module):
         return x if self.inner is None else self.inner(x)
 
 
-def build_model() -> nn.Module:
-    """Uneven shapes: 13 and 3 rows shard unevenly; the head's 3 rows leave rank 3 of 4 empty."""
+class Fan(nn.Module):
+    """n linears side by side, their outputs averaged: many parameters at little depth."""
+
+    def __init__(self, d: int, n: int):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        return torch.stack([h(x) for h in self.heads]).mean(0)
+
+
+def build_model(kind: str = "small") -> nn.Module:
+    """small: uneven shapes (13 and 3 rows shard unevenly; the head's 3 rows leave rank 3 of 4 empty).
+    wide (the model axis): what a real model hands the scaler, hundreds of grads (150 linears side by side:
+    310 params) and a weight of 1100 x 256 = 281600 elements, more than four 65536-element chunks of CUDA's
+    multi-tensor kernels (more than one in each rank's shard at world size 4)."""
     torch.manual_seed(1234)
+    if kind == "wide":
+        return nn.Sequential(Block(7, 256), Block(256, 1100, inner=Block(1100, 11)), Block(11, 11, inner=Fan(11, 150)),
+                             nn.Linear(11, 3))
     return nn.Sequential(Block(7, 13), Block(13, 11, inner=Block(11, 11)), nn.Linear(11, 3))
 
 
@@ -93,13 +110,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def inject_in_local_shard(params, which: str, value: float) -> str:
-    """value into the middle element of the first / last param's local grad that has one."""
+    """value into the first element of the first param's local grad that has one, or the last of the last's."""
     order = list(enumerate(params))
     for i, p in (order if which == "first" else reversed(order)):
         if p.grad is not None and _local(p.grad).numel() > 0:
             local = _local(p.grad)
             with torch.no_grad():
-                local.view(-1)[local.numel() // 2] = value
+                local.view(-1)[0 if which == "first" else -1] = value
             return f"{value} into param {i} {tuple(local.shape)} on {local.device}"
     raise AssertionError("this rank holds no grad shard to inject into")
 
@@ -216,7 +233,7 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     dtype = DTYPES[cell.precision]
-    base = build_model()
+    base = build_model(cell.model)
     settings = Settings(device=device, dtype=dtype, offload=cell.offload == "offload",
                         nested=cell.wrapping == "nested", block_cls=Block, flat_params=cell.params == "flat",
                         reshard=cell.reshard == "reshard", low_precision_grads=cell.grads == "keeplow")

@@ -30,6 +30,17 @@ def test_ids_are_unique_and_read_like_the_config():
     assert len({c.id for c in cells}) == len(cells)
     c = axes.Cell("fsdp1", "offload", "fp16", "nested", 2, "orig", "reshard", "sgd", "keeplow", "clip")
     assert c.id == "fsdp1-offload-fp16-nested-ws2-orig-reshard-sgd-keeplow-clip"
+    # the model axis names only the wide model: ids from before the axis stay valid
+    assert axes.Cell(*vars(c).values()).model == "small" and axes.Cell(**{**vars(c), "model": "wide"}).id == c.id + "-wide"
+
+
+def test_the_wide_model_meets_every_value_of_every_axis_in_few_cells():
+    """Pairwise coverage includes the model axis (test above); the wide model costs ~3x a small cell, so it
+    gets only the cells its pairs need, and the other axes' choices are those of the matrix without it."""
+    cells = axes.cells()
+    wide = [c for c in cells if c.model == "wide"]
+    assert 0 < len(wide) <= len(cells) // 8
+    assert {vars(c)[a] for c in wide for a in ("world_size",)} == set(axes.AXES["world_size"])
 
 
 def test_a_plugged_implementation_replaces_the_axis():

@@ -5,6 +5,8 @@ off, fp32/fp16/bf16, SGD and fused AdamW, grads upcast or kept low, with and wit
 runs in a child pytest against `ours` (the control: it must pass every cell) and the mutant
 scalers a real FSDP run should expose;
 then the same slice with `ours` under plugged wrappers: a correct one passes, broken ones fail.
+The wide model's cells (the model axis) run against the defects that only hundreds of grads or
+multi-chunk grads expose, which the small model's cells cannot.
 """
 import pytest
 
@@ -34,6 +36,10 @@ MUTANTS = [  # tests/conformance/mutants.py: the defects the matrix's schedule (
     "init_scale_ignored",
     "ignores_d_tensor_grads",       # FSDP2 cells
 ]
+WIDE_MUTANTS = [  # caught by the wide model's cells only (the small model has 10 grads of <= 143 elements)
+    "checks_first_list_chunk_only",     # FSDP2 / use_orig_params: the +inf sits in grad ~300 of the shard
+    "checks_first_block_of_each_grad",  # FSDP1 flat params: the +inf sits past element 65536 of the flat grad
+]
 WRAPPERS = "tests.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
 PLANTED = "tests.conformance.mutants"  # the broken wrappers live with the planted scalers
 BROKEN = ["fsdp1_sums_grads"]  # reduces by SUM, no 1/world_size average
@@ -43,6 +49,13 @@ BROKEN = ["fsdp1_sums_grads"]  # reduces by SUM, no 1/world_size average
 def scalers(tmp_path_factory):
     specs = ["ours"] + [f"tests.conformance.mutants:{m}" for m in MUTANTS]
     return child_run(tmp_path_factory.mktemp("teeth") / "scalers.json", ["tests/matrix/test_matrix.py"], SLICE,
+                     scalers=specs, marker="matrix")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    specs = ["ours"] + [f"tests.conformance.mutants:{m}" for m in WIDE_MUTANTS]
+    return child_run(tmp_path_factory.mktemp("teeth") / "wide.json", ["tests/matrix/test_matrix.py"], "wide",
                      scalers=specs, marker="matrix")
 
 
@@ -62,6 +75,17 @@ def test_ours_passes_every_cell_of_the_slice(scalers):
 def test_mutant_fails_cells(scalers, mutant):
     got = outcomes(scalers, scaler=f"tests.conformance.mutants:{mutant}", test="test_fsdp_matches_ddp")
     assert "failed" in got, f"{mutant}: no matrix cell failed ({got or 'no results'})"
+
+
+def test_ours_passes_every_wide_cell(wide):
+    got = outcomes(wide, scaler="ours", test="test_fsdp_matches_ddp")
+    assert "passed" in got and set(got) <= {"passed", "skipped"}, got
+
+
+@pytest.mark.parametrize("mutant", WIDE_MUTANTS)
+def test_a_defect_past_the_first_chunk_fails_wide_cells(wide, mutant):
+    got = outcomes(wide, scaler=f"tests.conformance.mutants:{mutant}", test="test_fsdp_matches_ddp")
+    assert "failed" in got, f"{mutant}: no wide cell failed ({got or 'no results'})"
 
 
 @pytest.mark.parametrize("impl", ["fsdp1", "fsdp2"])
