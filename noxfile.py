@@ -28,7 +28,7 @@ OUT = ROOT / "versions-out"
 # The oldest torch the suite supports (pyproject.toml: torch>=2.4; FSDP2 on a CPU-only machine needs 2.7, measured:
 # FSDP2_CPU_TORCH in tests/matrix/implementations.py), the pin of requirements.txt, and the newest release checked here.
 TORCH_VERSIONS = ["2.4.1", "2.13.0", "2.14.1"]
-EXTRA = ["packaging", "hypothesis"]  # not pinned in requirements.txt
+EXTRA = ["packaging"]  # not pinned in requirements.txt
 
 
 def _pins() -> list[str]:

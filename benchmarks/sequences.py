@@ -1,0 +1,54 @@
+"""Speed of the stateful contract test (tests/conformance/test_sequences.py): examples per second.
+
+    python benchmarks/sequences.py [--scaler ours] [--placement cpu] [--examples 40] [--steps 30]
+
+Runs the state machine directly, with the ci profile's settings at the given budget (derandomized), on
+2 ranks of the pool (started before the clock), and counts the sequences that ran on the ranks and their
+calls. Last line: sequence_examples_per_second=<sequences run / wall seconds>.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
+
+import conftest  # noqa: E402,F401  (registers the Hypothesis profiles)
+from tests.conformance import test_sequences  # noqa: E402
+from tests.harness import shutdown_pools  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scaler", default="ours")
+    ap.add_argument("--placement", default="cpu")
+    ap.add_argument("--examples", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    counted = {"sequences": 0, "calls": 0}
+
+    class Counted(test_sequences.ScalerContract):
+        def teardown(self):
+            counted["sequences"] += bool(self.sequence)
+            counted["calls"] += len(self.sequence)
+            super().teardown()
+
+    # the pool's start-up is not the test's speed: one sequence first, off the clock
+    test_sequences.check_sequence(args.scaler, args.placement, dict(init_scale=2.0, growth_factor=2.0, backoff_factor=0.5,
+                                  growth_interval=1, n_optimizers=1), [{"op": "backward"}], [{}])
+    budget = settings(settings.get_profile("ci"), max_examples=args.examples, stateful_step_count=args.steps,
+                      deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    t0 = time.perf_counter()
+    run_state_machine_as_test(lambda: Counted(args.scaler, args.placement), settings=budget)
+    wall = time.perf_counter() - t0
+    shutdown_pools()
+    print(f"{args.scaler} on {args.placement}: {counted['sequences']} sequences, {counted['calls']} calls "
+          f"in {wall:.2f} s ({counted['calls'] / wall:.0f} calls/s, on 2 ranks)")
+    print(f"sequence_examples_per_second={counted['sequences'] / wall:.1f}")
+
+
+if __name__ == "__main__":
+    main()
