@@ -7,7 +7,7 @@ explicit unscale_ of either optimizer, a step of either, an update (or update(ne
 checkpoint round trip into a scaler built with the defaults. The oracle is problem.ScalerModel.
 The whole sequence is one task on the rank pool; each rank reports, after every call, what a user
 can see, and the controller checks it against the model, call by call:
-  - after update/resume: scale and growth tracker (state_dict) equal the model's, on every rank;
+  - after every call: scale and growth tracker (state_dict) equal the model's, on every rank;
   - after step: the params moved exactly by -lr * (sum of the unscaled grads) iff the model says the
     step applies, else not at all; after a clean unscale_: the grads are exactly unscaled.
 A failure names the first call that went wrong and prints the shrunk sequence as a list of calls,
@@ -103,9 +103,8 @@ def run_sequence(spec: str, placement: str, config: dict, sequence: list[dict]) 
                 saved = scaler.state_dict()
                 scaler = build_scaler(spec, pb)  # the defaults: load_state_dict must restore every setting
                 scaler.load_state_dict(saved)
-            if op in ("update", "resume"):
-                fact["scale"] = float(scaler.get_scale())
-                fact["tracker"] = int(scaler.state_dict()["_growth_tracker"])
+            fact["scale"] = float(scaler.get_scale())  # after every call: only update() may change them
+            fact["tracker"] = int(scaler.state_dict()["_growth_tracker"])
         except Exception as exc:
             raise RuntimeError(f"call {i} ({describe(call)}) raised on rank {rank}: {type(exc).__name__}: {exc}") from exc
         seen.append(fact)
@@ -165,8 +164,7 @@ def check_sequence(spec: str, placement: str, config: dict, sequence: list[dict]
     if where:
         i, problem = where
         calls = sequence[:i + 1]  # what came after cannot have caused it
-        listing = "\n".join(f"  {j:3d}  {describe(c)}" + (f"    expected {expected[j]}" if expected[j] else "")
-                            for j, c in enumerate(calls))
+        listing = "\n".join(f"  {j:3d}  {describe(c)}    expected {expected[j]}" for j, c in enumerate(calls))
         raise AssertionError(f"{problem}\n\nscaler settings {config}; the calls up to it:\n{listing}\n\n"
                              f"replay exactly this sequence:\n  {replay_command(spec, placement, config, calls)}")
 
@@ -186,8 +184,7 @@ def advance(model: ScalerModel, call: dict, n_optimizers: int) -> dict:
         want["moved"] = "exactly by -lr * unscaled grad" if model.step(call["opt"]) else "not at all"
     elif op == "update":
         model.update(new_scale=call.get("new_scale"))
-    if op in ("update", "resume"):
-        want.update(scale=model.scale, tracker=model.tracker)
+    want.update(scale=model.scale, tracker=model.tracker)
     return want
 
 
