@@ -137,15 +137,15 @@ def _bug(bug_id, scalers, tests, reason, when=None, beats_race=False, torch=ANY_
 
 EVERY_TEST = None  # KnownBug.tests: every test that builds an enabled scaler
 ENABLED_FREE_TESTS = {"test_disabled_scaler_is_a_pass_through"}
+SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"  # the stateful test (test_sequences.py)
 NOT_SHARD_AWARE = {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", "test_ranks_keep_scale_in_lockstep",
                    "test_each_optimizer_agrees_across_ranks", "test_inf_on_some_ranks_over_nccl",
                    "test_rank_without_grads_takes_part", "test_unmatched_step_surfaces_as_a_hang_in_bounded_time",
-                   "test_every_sequence_of_calls_follows_the_contract"}
+                   SEQUENCES}
 UNSCALE_TESTS = {"test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_skips_step_and_backs_off",
                  "test_an_overflow_past_2_31_elements_is_seen"}
 BUSY = "test_busy_gpu_cpu_grads_are_unscaled_and_checked"
 MATRIX = "test_fsdp_matches_ddp"
-SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"
 CPU_SCALE = ("cpu", "cpu_loss", "mixed_cpu_scale")  # placements where the scale tensor lives on CPU
 CPU_GRADS_CUDA_SCALE = ("offload", "mixed")
 

@@ -14,6 +14,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, _f32
+from tests.scalers import SEQUENCES
 
 _check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
 
@@ -470,7 +471,6 @@ def _factory(cls):
     return make
 
 
-SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"
 # mutant factory name -> the test functions that must fail on it (at least one item each)
 EXPECTED = {
     "no_agreement": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off",

@@ -7,10 +7,10 @@ import pytest
 
 from tests.child_run import child_run
 from tests.conformance.mutants import EXPECTED
+from tests.scalers import SEQUENCES
 
 pytestmark = [pytest.mark.conformance, pytest.mark.slow]
 HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"
-SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"
 
 
 def _child_run(out, specs, selection, extra=()):
