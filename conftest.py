@@ -4,16 +4,20 @@ Every test that takes a `scaler` argument runs once per scaler under test (the b
 `--scaler` specs); known upstream bugs become strict xfails and timing-dependent cells skips, both
 decided by the tables in tests/scalers.py.
 """
+import pathlib
+
 import pytest
 import torch
 from hypothesis import Phase, settings
 
-from tests import xfails
+from tests import options, xfails
 from tests.harness import ranks
 from tests.matrix import implementations
 from tests.scalers import BUILTINS, known_bug, repro_bug, resolve, skip_reason
 
-pytest_plugins = ["tests.report", "pytester"]  # the compatibility report at the end of every run; child runs
+# the suite's options (also named by pytest.ini's addopts, so that pytest knows them before it reads the command
+# line: tests/options.py says why), the compatibility report at the end of every run, child runs
+pytest_plugins = ["tests.options", "tests.report", "pytester"]
 
 # Hypothesis profiles (tests/conformance/test_sequences.py), chosen with --hypothesis-profile=NAME.
 # ci (the default): derandomized, so a gate's verdict is the same on every run, and a budget sized to
@@ -29,37 +33,23 @@ settings.register_profile("no-shrink", settings.get_profile("ci"),
 settings.load_profile("ci")
 
 
-def pytest_addoption(parser):
-    group = parser.getgroup("fsdp-amp")
-    group.addoption("--isolate-ranks", action="store_true",
-                    help="spawn fresh ranks for every multi-rank case (slow; for reproducing a bug "
-                         "in a pristine process) instead of the persistent rank pool")
-    group.addoption("--rank-timeout", type=float, default=ranks.DEFAULT_TIMEOUT_S,
-                    help="seconds a multi-rank case may run before its ranks' stacks are dumped and it "
-                         "fails (default %(default)s)")
-    group.addoption("--scaler", action="append", default=[], metavar="SPEC",
-                    help="scaler under test, repeatable: a built-in name (ours, torch_amp, "
-                         "torch_sharded, fairscale_sharded) or package.module:factory. "
-                         "Replaces the built-in set.")
-    group.addoption("--fsdp", action="append", default=[], metavar="SPEC",
-                    help="FSDP implementation for the matrix, repeatable: a built-in name (fairscale, "
-                         "fsdp1, fsdp2) or package.module:factory(module, settings) -> wrapped module. "
-                         "Replaces the matrix's implementation axis.")
-    group.addoption("--xfails-file", metavar="PATH", default=None,
-                    help="your own known bugs (for a plugged --scaler / --fsdp): one test id per line, a reason "
-                         "after '#'; each becomes a strict xfail, and entries that match no test are named "
-                         "(tests/xfails.py)")
-
-
 def scaler_specs(config) -> list:
     return config.getoption("--scaler") or list(BUILTINS)
 
 
+ROOT = pathlib.Path(__file__).resolve().parent
+HARNESS = pytest.StashKey[tuple]()  # config.stash: (the session's harness, the one installed before it)
+
+
 def pytest_configure(config):
+    options.check_configuration(config)
     timeout = config.getoption("--rank-timeout")
     if not timeout > 0:
         raise pytest.UsageError(f"--rank-timeout {timeout}: must be a positive number of seconds")
-    ranks.configure(isolate=config.getoption("--isolate-ranks"), timeout=timeout)
+    # the session's ranks: its settings and pools belong to this object, not to module globals; a test that
+    # needs other settings builds a Harness of its own (tests/meta/test_harness.py)
+    harness = ranks.Harness(isolate=config.getoption("--isolate-ranks"), timeout=timeout)
+    config.stash[HARNESS] = (harness, ranks.install(harness))
     # a bad --scaler or --fsdp is a clear usage error at start-up, not 300 failures
     specs = ([(resolve, s) for s in scaler_specs(config)]
              + [(implementations.resolve, s) for s in config.getoption("--fsdp")])
@@ -81,14 +71,23 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("scaler", specs, ids=[s.replace(":", "-") for s in specs])
 
 
-def pytest_collection_modifyitems(config, items):
-    # before -m/-k deselect anything (conftest hooks run before the mark plugin's): the tables that
-    # name tests are checked against this (tests/meta/test_tables.py), when it is the whole built-in suite
-    if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("--fsdp"):
-        from tests.report import WHOLE_SUITE  # a plugin of this conftest: imported once pytest registered it
+META = ROOT / "tests" / "meta"
 
-        config.stash[WHOLE_SUITE] = [(item.originalname, getattr(getattr(item, "callspec", None), "params", {}),
-                                      item.path.name) for item in items]
+
+def pytest_ignore_collect(collection_path, config):
+    """The suite's own tests (tests/meta) run only when a path on the command line names them: the main job
+    and a consumer's `pytest path/to/suite -m ...` collect the verdict on torch and the scaler, nothing else."""
+    if collection_path == META and not any(_names_meta(arg, config) for arg in config.args):
+        return True
+    return None
+
+
+def _names_meta(arg: str, config) -> bool:
+    path = (config.invocation_params.dir / arg.split("::", 1)[0]).resolve()
+    return path == META or META in path.parents
+
+
+def pytest_collection_modifyitems(config, items):
     cuda = torch.cuda.is_available()
     theirs = config.stash.get(xfails.ENTRIES, [])
     for item in items:
@@ -132,5 +131,8 @@ def _their_xfail(item, entries) -> None:
         item.user_properties.append(("xfails_file", entry.check))
 
 
-def pytest_sessionfinish(session, exitstatus):
-    ranks.shutdown_pools()
+def pytest_unconfigure(config):
+    if HARNESS in config.stash:
+        harness, before = config.stash[HARNESS]
+        harness.shutdown()
+        ranks.install(before)

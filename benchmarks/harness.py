@@ -15,14 +15,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.cases import fsdp_mlp_three_steps  # noqa: E402
-from tests.harness import configure, run_on_ranks, shutdown_pools  # noqa: E402
+from tests.harness import Harness  # noqa: E402
 
 
-def timed(n):
+def timed(harness, n):
     times, results = [], []
     for i in range(n):
         t0 = time.perf_counter()
-        results.append(run_on_ranks(fsdp_mlp_three_steps, world_size=2))
+        results.append(harness.run(fsdp_mlp_three_steps, world_size=2))
         times.append(time.perf_counter() - t0)
     return times, results
 
@@ -31,13 +31,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=10)
     args = ap.parse_args()
-    t0 = time.perf_counter()
-    first = run_on_ranks(fsdp_mlp_three_steps, world_size=2)
-    start_up = time.perf_counter() - t0
-    pool_times, pool_results = timed(args.n)
-    shutdown_pools()
-    configure(isolate=True)
-    spawn_times, spawn_results = timed(args.n)
+    with Harness() as pooled:
+        t0 = time.perf_counter()
+        first = pooled.run(fsdp_mlp_three_steps, world_size=2)
+        start_up = time.perf_counter() - t0
+        pool_times, pool_results = timed(pooled, args.n)
+    with Harness(isolate=True) as isolated:
+        spawn_times, spawn_results = timed(isolated, args.n)
     same = all(all(a.equal(b) for a, b in zip(r, first)) for r in pool_results + spawn_results)
     pool, spawn = statistics.median(pool_times), statistics.median(spawn_times)
     print(f"pool start-up (spawn + first case): {start_up * 1e3:.0f} ms")

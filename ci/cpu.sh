@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The CPU gate (hosted runners, and .ci/run): a venv, the README's two commands, then the workflow lint.
-#   ci/cpu.sh [OUT_DIR]      writes OUT_DIR/junit.xml and OUT_DIR/report.md (default: ci-out/)
+# The CPU gate (hosted runners, and .ci/run): a venv, the README's install, the workflow lint, then the
+# README's two jobs: the main job (the verdict on this torch) and the suite's own tests (tests/meta).
+#   ci/cpu.sh [OUT_DIR]   writes OUT_DIR/{junit.xml,report.md,report.json} and OUT_DIR/meta-{junit.xml,report.md}
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-ci-out}"
@@ -9,7 +10,12 @@ mkdir -p "$OUT"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-python -m pip install -q -r requirements.txt                              # README step 1
+python -m pip install -q -r requirements.txt                              # README: the install
 python -m pip install -q --require-hashes -r requirements-ci.txt          # CI tools, pinned by hash
 actionlint .github/workflows/*.yml                                          # the workflows lint clean
-python -m pytest -n auto --junitxml="$OUT/junit.xml" --report="$OUT/report.md"  # README step 2 (PATH after "=": an absolute OUT is not taken for a test path)
+SECONDS=0
+python -m pytest -n auto --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json"
+echo "ci/cpu.sh: the main job took ${SECONDS} s"
+SECONDS=0
+python -m pytest -n auto tests/meta --junitxml="$OUT/meta-junit.xml" --report="$OUT/meta-report.md"
+echo "ci/cpu.sh: the suite's own tests took ${SECONDS} s"

@@ -10,12 +10,12 @@ Design
 that needs the scale or its inverse gets it as ``torch.full((), value, device=d)``: on CUDA that
 is a kernel launch carrying the value as an argument, so nothing is ever copied device-to-host
 asynchronously and no CPU code can read a copy that has not landed. That is the whole cure for
-the async-copy race of FINDINGS bug 2, where upstream scalers make ``non_blocking`` CPU copies of
-inv_scale / found_inf and read or write them on the CPU too early.
+the async-copy race (known bug ``async-copy-race-busy-gpu``, docs/bugs.md), where upstream scalers
+make ``non_blocking`` CPU copies of inv_scale / found_inf and read or write them on the CPU too early.
 
 *Grads are split by (device, dtype).* Each group is unscaled and inf/NaN-checked by
 ``torch._amp_foreach_non_finite_check_and_unscale_`` into a found_inf tensor on its own device.
-Where that fused kernel has no implementation (bf16 on CUDA in torch 2.11, FINDINGS bug 5) the
+Where that fused kernel has no implementation (bf16 on CUDA: known bug ``bf16-cuda-unscale-kernel``) the
 group falls back to ``isfinite`` checks followed by ``_foreach_mul_`` (checked before unscaling,
 as the kernel does). Sparse grads are coalesced and their values unscaled; DTensor grads (FSDP2)
 are unscaled through their local shard.

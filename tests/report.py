@@ -29,17 +29,6 @@ FAMILIES = {  # test file -> the column it counts in
     "test_sequences.py": "sequences",
 }
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
-# set by the root conftest at collection when the whole built-in suite is collected: the tables that
-# name tests are checked against it (tests/meta/test_tables.py)
-WHOLE_SUITE = pytest.StashKey[list]()
-
-
-def pytest_addoption(parser):
-    group = parser.getgroup("fsdp-amp")
-    group.addoption("--report", metavar="PATH", default=None,
-                    help="also write the compatibility report as Markdown to PATH (e.g. $GITHUB_STEP_SUMMARY)")
-    group.addoption("--report-json", metavar="PATH", default=None,
-                    help="also write the report's records as JSON to PATH (the torch-version table reads it)")
 
 
 def pytest_configure(config):
@@ -178,14 +167,16 @@ def header(about: dict) -> str:
             f"CUDA {about['cuda'] or '(none)'}, {hardware}, python {about['python']}")
 
 
-def known_bugs(recs: list[dict]) -> list[tuple[str, int, list[str]]]:
-    """[(reason, how many xfails, which scalers)] in order of frequency."""
+def known_bugs(recs: list[dict]) -> list[tuple[str, str, int, list[str]]]:
+    """[(bug id, reason, how many xfails, which scalers)] in order of frequency. The id is the KNOWN_BUGS id
+    (docs/bugs.md has its write-up), or "xfails-file" for a consumer's own entries."""
     by = collections.defaultdict(list)
     for r in recs:
         if r["outcome"] == "xfailed":
-            by[r["reason"] or "(no reason)"].append(r.get("scaler") or "-")
-    return sorted(((reason, len(s), sorted(set(s), key=_scaler_order)) for reason, s in by.items()),
-                  key=lambda t: -t[1])
+            bug = r.get("bug") or ("xfails-file" if r.get("xfails_file") else "-")
+            by[bug, r["reason"] or "(no reason)"].append(r.get("scaler") or "-")
+    return sorted(((bug, reason, len(s), sorted(set(s), key=_scaler_order)) for (bug, reason), s in by.items()),
+                  key=lambda t: (-t[2], t[0]))
 
 
 def render(recs: list[dict], markdown: bool, exitstatus: int = 0, about: dict | None = None,
@@ -208,8 +199,8 @@ def render(recs: list[dict], markdown: bool, exitstatus: int = 0, about: dict | 
     bugs = known_bugs(recs)
     if bugs:
         lines += ["", "### Known upstream bugs (strict xfails)" if markdown else "known upstream bugs (strict xfails):"]
-        for reason, n, scalers in bugs:
-            lines.append(f"- {n} x [{', '.join(scalers)}] {reason}")
+        for bug, reason, n, scalers in bugs:
+            lines.append(f"- {n} x [{', '.join(scalers)}] {bug}: {reason}")
     if stale:  # tests/xfails.py: a renamed or deselected test, or a typo, never misses silently
         lines += ["", "### --xfails-file entries that match no test of this run" if markdown
                   else "--xfails-file entries that match no test of this run:"]

@@ -104,7 +104,8 @@ class KnownBug:
     id: str  # short and stable: the report and the version table name the bug by it
     scalers: frozenset | None  # None: a bug of the FSDP implementation, hit by every scaler (plugged too)
     tests: frozenset | None  # test function names; None: every test that builds an enabled scaler
-    reason: str
+    reason: str  # user-facing (the report's xfail reason): a self-contained sentence or two
+    title: str  # a one-line summary: the README's bug table (python -m tests.bugtable) and docs/bugs.md
     when: Callable = field(default=lambda params, cuda: True)  # params: the item's callspec.params
     beats_race: bool = False  # deterministic even where the built-in's results are timing-dependent
     torch: str = ""  # PEP 440 specifiers of the versions the bug holds on ("": every supported one);
@@ -128,9 +129,9 @@ ANY_TORCH = ""
 FAIRSCALE_0_4_13 = "==0.4.13"
 
 
-def _bug(bug_id, scalers, tests, reason, when=None, beats_race=False, torch=ANY_TORCH, fairscale=""):
+def _bug(bug_id, scalers, tests, reason, when=None, beats_race=False, torch=ANY_TORCH, fairscale="", *, title):
     return KnownBug(bug_id, scalers if scalers is None else frozenset(scalers),
-                    tests if tests is None else frozenset(tests), reason,
+                    tests if tests is None else frozenset(tests), reason, title,
                     when or (lambda params, cuda: True), beats_race, str(SpecifierSet(torch)),
                     str(SpecifierSet(fairscale)))
 
@@ -158,7 +159,7 @@ def cell_placement(cell, cuda: bool) -> str:
         return "cuda"
     from tests.matrix.implementations import record  # a matrix fact; that module imports this one
 
-    # an implementation that moves the loss to the params' device (fairscale's seed path) scales it on CPU
+    # an implementation that moves the loss to the params' device (fairscale issue #421's path) scales it on CPU
     return "cpu_loss" if record(cell.impl).loss_on_param_device else "offload"
 
 
@@ -204,81 +205,105 @@ KNOWN_BUGS = [
     _bug("fairscale-disabled-without-cuda", {"fairscale_sharded"}, EVERY_TEST,
          "fairscale ShardedGradScaler silently disables itself without CUDA (amp_definitely_not_available) "
          "and then steps on inf grads; it has no device argument",
-         when=lambda params, cuda: not cuda, fairscale=FAIRSCALE_0_4_13),
+         when=lambda params, cuda: not cuda, fairscale=FAIRSCALE_0_4_13,
+         title="silently disabled without CUDA, then steps on inf grads"),
     _bug("torch-amp-refuses-fp16-grads", {"torch_amp"}, UNSCALE_TESTS | {MATRIX},
          "torch.amp.GradScaler refuses fp16 grads by design (ValueError: Attempting to unscale FP16 gradients.), "
          "which FSDP mixed precision without offload produces (fairscale; FSDP1 keep_low_precision_grads)",
-         when=_where(dtype="float16")),
+         when=_where(dtype="float16"),
+         title='fp16 grads refused by design ("Attempting to unscale FP16 gradients")'),
     _bug("bf16-cuda-unscale-kernel", {"torch_amp", "torch_sharded", "fairscale_sharded"}, UNSCALE_TESTS | {MATRIX},
-         "FINDINGS bug 5: torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16 "
+         "torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16 "
          "(NotImplementedError ... not implemented for 'BFloat16'), so bf16 grads on CUDA crash the scaler "
          "(fairscale FSDP with compute_dtype bf16 and no offload at world size 1; FSDP1 keep_low_precision_grads)",
-         when=_where(dtype="bfloat16", placement=("cuda", "mixed"))),
+         when=_where(dtype="bfloat16", placement=("cuda", "mixed")),
+         title="bf16 grads on CUDA crash the unscale kernel"),
     _bug("torch-amp-not-shard-aware", {"torch_amp"}, NOT_SHARD_AWARE,
          "torch.amp.GradScaler does not agree on found_inf across ranks (it relies on DDP's all-reduced grads): "
          "with sharded grads an inf on one rank makes only that rank skip and back off",
-         when=lambda params, cuda: params.get("bad_ranks") != (0, 1)),
+         when=lambda params, cuda: params.get("bad_ranks") != (0, 1),
+         title="no agreement on found_inf across ranks: an inf on one rank skips only there"),
     _bug("torch-amp-not-shard-aware-busy-gpu", {"torch_amp"}, {BUSY}, "torch.amp.GradScaler does not agree on found_inf across ranks",
-         when=_where(world_size=2, bad=True, placement="cuda")),
+         when=_where(world_size=2, bad=True, placement="cuda"),
+         title="no agreement on found_inf across ranks, in the busy-GPU check"),
     # before the torch one: fairscale with its scale on CPU has more than that bug for a sequence to reach
     _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"}, {SEQUENCES},
          "fairscale ShardedGradScaler with its scale on CPU breaks the contract in several ways that a sequence "
-         "reaches, whichever comes first: a CPU found_inf never agreed across ranks (FINDINGS bug 1), a backoff "
-         "only if found_inf == 1.0 (bug 3), state_dict() raising after a backoff (bug 4), growth to inf",
-         when=_where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13),
+         "reaches, whichever comes first: a CPU found_inf never agreed across ranks "
+         "(fairscale-cpu-found-inf-not-agreed), a backoff only if found_inf == 1.0 "
+         "(fairscale-backoff-only-if-exactly-one), state_dict() raising after a backoff "
+         "(fairscale-state-dict-after-backoff), growth to inf (sharded-cpu-scale-grows-to-inf)",
+         when=_where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
+         title="scale on CPU: call sequences reach several of its bugs, whichever comes first"),
     _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"}, {"test_growth_never_overflows_to_inf", SEQUENCES},
          "ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the isfinite check "
          "of torch._amp_update_scale_: float32 max * growth_factor becomes inf, then every step overflows and "
          "backs off from inf forever (torch and fairscale alike)",
-         when=_where(placement=CPU_SCALE)),
+         when=_where(placement=CPU_SCALE),
+         title="scale on CPU grows to inf (no isfinite check), then every step is skipped"),
     _bug("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"}, {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"},
-         "FINDINGS bug 1: fairscale ShardedGradScaler all-reduces a CPU found_inf on a CUDA copy and throws the "
+         "fairscale ShardedGradScaler all-reduces a CPU found_inf on a CUDA copy and throws the "
          "result away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip",
          when=lambda params, cuda: params.get("placement") in ("cpu", "offload", "cpu_loss")
-         and params.get("bad_ranks") != (0, 1), fairscale=FAIRSCALE_0_4_13),
+         and params.get("bad_ranks") != (0, 1), fairscale=FAIRSCALE_0_4_13,
+         title="CPU found_inf all-reduced on a copy that is thrown away"),
     _bug("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"}, {"test_two_optimizers_skip_independently_back_off_once"},
-         "FINDINGS bug 3: fairscale _amp_update_scale_cpu_ backs off only if found_inf == 1.0; two optimizers "
+         "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; two optimizers "
          "that both saw inf sum to 2.0 and the scale grows instead",
-         when=_where(placement=CPU_SCALE, bad_opts=[(0, 1)]), fairscale=FAIRSCALE_0_4_13),
+         when=_where(placement=CPU_SCALE, bad_opts=[(0, 1)]), fairscale=FAIRSCALE_0_4_13,
+         title="backs off only if found_inf == 1.0: two optimizers' 2.0 grows the scale"),
     _bug("fairscale-cpu-found-inf-not-agreed-per-optimizer", {"fairscale_sharded"}, {"test_each_optimizer_agrees_across_ranks"},
-         "FINDINGS bug 1: fairscale never agrees on a CPU found_inf across ranks",
-         when=_where(placement=("cpu", "offload", "cpu_loss")), fairscale=FAIRSCALE_0_4_13),
+         "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
+         "and throws the result away), so with CPU grads each optimizer skips only on the ranks that saw the inf",
+         when=_where(placement=("cpu", "offload", "cpu_loss")), fairscale=FAIRSCALE_0_4_13,
+         title="CPU found_inf never agreed across ranks, per optimizer"),
     _bug("fairscale-cpu-found-inf-not-agreed-scale-lockstep", {"fairscale_sharded"}, {"test_ranks_keep_scale_in_lockstep"},
-         "FINDINGS bug 1: fairscale never agrees on a CPU found_inf across ranks, so their scales diverge",
-         when=_where(placement=("cpu", "offload", "cpu_loss", "mixed")), fairscale=FAIRSCALE_0_4_13),
+         "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
+         "and throws the result away), so the ranks' scales diverge",
+         when=_where(placement=("cpu", "offload", "cpu_loss", "mixed")), fairscale=FAIRSCALE_0_4_13,
+         title="CPU found_inf never agreed across ranks: their scales diverge"),
     _bug("fairscale-rank-without-grads", {"fairscale_sharded"}, {"test_rank_without_grads_takes_part"},
          "fairscale ShardedGradScaler records no found_inf on a rank without grads: that rank raises 'No inf "
          "checks were recorded for this optimizer' while the others wait in all_reduce (fixed in torch by "
-         "pytorch#99174, never in fairscale)", fairscale=FAIRSCALE_0_4_13),
+         "pytorch#99174, never in fairscale)", fairscale=FAIRSCALE_0_4_13,
+         title="a rank without grads raises while the others wait"),
     _bug("fairscale-state-dict-after-backoff", {"fairscale_sharded"}, {"test_state_dict_round_trip_resumes_identically"},
-         "FINDINGS bug 4: fairscale sets _growth_tracker to a Python int on backoff when the scale is on CPU; "
+         "fairscale sets _growth_tracker to a Python int on backoff when the scale is on CPU; "
          "state_dict() then raises AttributeError: 'int' object has no attribute 'item'",
-         when=_where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13),
+         when=_where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
+         title="state_dict() raises after a backoff, scale on CPU"),
     _bug("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"}, {"test_update_with_new_scale"},
          "fairscale ShardedGradScaler.update(new_scale=tensor) asserts a torch.cuda.FloatTensor, so a CPU "
-         "tensor for a scale that lives on CPU is refused", when=_where(placement="cpu", as_tensor=True), fairscale=FAIRSCALE_0_4_13),
+         "tensor for a scale that lives on CPU is refused", when=_where(placement="cpu", as_tensor=True), fairscale=FAIRSCALE_0_4_13,
+         title="update(new_scale=CPU tensor) refused"),
     _bug("fairscale-backoff-only-if-exactly-one-two-devices", {"fairscale_sharded"}, {"test_inf_on_two_devices_backs_off_once"},
-         "FINDINGS bug 3: fairscale _amp_update_scale_cpu_ backs off only if found_inf == 1.0; an inf on two "
-         "devices sums to 2.0 and the scale grows instead", when=_where(placement="mixed_cpu_scale"), fairscale=FAIRSCALE_0_4_13),
+         "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; an inf on two "
+         "devices sums to 2.0 and the scale grows instead", when=_where(placement="mixed_cpu_scale"), fairscale=FAIRSCALE_0_4_13,
+         title="backs off only if found_inf == 1.0: an inf on two devices grows the scale"),
     _bug("torch-sharded-collective-per-device", {"torch_sharded"}, {"test_rank_without_grads_takes_part"},
          "torch ShardedGradScaler issues one all_reduce per device holding grads: a rank with grads on CPU and "
          "CUDA makes two collectives, a rank without grads one, and the group hangs",
-         when=_where(placement="mixed"), beats_race=True),
+         when=_where(placement="mixed"), beats_race=True,
+         title="one collective per grad device: CPU+CUDA grads vs a rank without grads hang"),
     _bug("async-copy-race-busy-gpu", {"torch_amp", "torch_sharded"}, {BUSY},
-         "FINDINGS bug 2: inv_scale/found_inf are copied to CPU with non_blocking=True and used before the "
-         "copy lands while the GPU is busy: CPU grads are zeroed or an inf is missed. Bites real loops that "
-         "queue GPU work between backward and unscale_/step", when=_where(placement=CPU_GRADS_CUDA_SCALE)),
+         "torch.amp.GradScaler and torch's ShardedGradScaler copy inv_scale/found_inf to CPU with non_blocking=True "
+         "and use the copies before they land while the GPU is busy: CPU grads are zeroed or an inf is missed. "
+         "Bites real loops that "
+         "queue GPU work between backward and unscale_/step", when=_where(placement=CPU_GRADS_CUDA_SCALE),
+         title="non_blocking CPU copies of inv_scale/found_inf read before they land (busy GPU)"),
     # ---- the FSDP-vs-DDP matrix (tests/matrix)
     _bug("torch-amp-not-shard-aware-fsdp", {"torch_amp"}, {MATRIX},
          "torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1 (and fairscale) an inf in one "
          "rank's grad shard makes only that rank skip and back off. (FSDP2 hides this: DTensor's handler for "
          "_amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf over the mesh.)",
-         when=_where(world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale"))),
+         when=_where(world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale")),
+         title="no agreement on found_inf across ranks under FSDP1 and fairscale FSDP"),
     _bug("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"}, {MATRIX},
          "torch ShardedGradScaler + a fused optimizer (AdamW fused=True) after an explicit unscale_ (the clipping "
          "path): its found_inf has shape [1] and the fused kernel's _foreach_sub_ into the shape-[] step counter "
          "raises RuntimeError: output with shape [] doesn't match the broadcast shape [1]",
-         when=_where(optimizer="adamw", clip="clip")),
+         when=_where(optimizer="adamw", clip="clip"),
+         title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step"),
     # before the no-agreement entry: on torch < 2.6 this one is what the cell hits first (it raises)
     _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX},
          "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
@@ -286,29 +311,35 @@ KNOWN_BUGS = [
          "fused=True) then raises at the first overflow: RuntimeError: output with shape [] doesn't match the "
          "broadcast shape [1] (seen on 2.4.1; 2.5.1 has the same code, 2.6.0 unscales CPU grads with "
          "torch._amp_foreach_non_finite_check_and_unscale_)",
-         when=_where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload")), torch="<2.6"),
+         when=_where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload")), torch="<2.6",
+         title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow"),
     _bug("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}, {MATRIX},
          "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "
          "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
          "ShardedGradScaler.unscale_, so under FSDP1 an inf in one rank's shard makes only that rank skip",
-         when=_where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale"))),
+         when=_where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale")),
+         title="fused AdamW: found_inf never agreed across ranks"),
     _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX},
          "fairscale ShardedGradScaler.step passes grad_scaler=self to an optimizer that supports AMP scaling "
          "(fused AdamW), whose step() no longer takes it: TypeError: Adam.step() got an unexpected keyword "
-         "argument 'grad_scaler'", when=_where(optimizer="adamw"), fairscale=FAIRSCALE_0_4_13),
+         "argument 'grad_scaler'", when=_where(optimizer="adamw"), fairscale=FAIRSCALE_0_4_13,
+         title="fused AdamW: TypeError on the grad_scaler keyword"),
     _bug("fairscale-state-dict-after-backoff-fsdp", {"fairscale_sharded"}, {MATRIX},
-         "FINDINGS bug 4 inside FSDP training: the seed's path (fairscale FSDP with CPU offload, the loss moved to "
-         "the CPU params) keeps the scale on CPU, so after the first growth or backoff _growth_tracker is a Python "
+         "fairscale's state_dict() after a backoff (fairscale-state-dict-after-backoff) inside FSDP training: "
+         "fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale issue #421) keeps "
+         "the scale on CPU, so after the first growth or backoff _growth_tracker is a Python "
          "int and the checkpoint after step 8 raises AttributeError: 'int' object has no attribute 'item' "
          "(deterministic: 3 of 3 isolated reruns on the H200)",
-         when=_where(impl="fairscale", placement=CPU_SCALE, world_size=1), fairscale=FAIRSCALE_0_4_13),
+         when=_where(impl="fairscale", placement=CPU_SCALE, world_size=1), fairscale=FAIRSCALE_0_4_13,
+         title="state_dict() raises after a backoff, in fairscale FSDP CPU-offload training"),
     _bug("fairscale-fsdp-mixed-precision-grads", None, {MATRIX},
          "fairscale FSDP bug: with mixed_precision and no offload at world size 1 the fp32 params get fp16/bf16 grads; "
          "foreach SGD (flatten_parameters=False) and fused AdamW reject them: 'Tensors of the same index must be on "
          "the same device and the same dtype'",
          when=lambda params, cuda: _where(impl="fairscale", offload="nooffload", precision=("fp16", "bf16"),
                                           world_size=1)(params, cuda)
-         and (_param(params, "params", cuda) == "orig" or _param(params, "optimizer", cuda) == "adamw"), fairscale=FAIRSCALE_0_4_13),
+         and (_param(params, "params", cuda) == "orig" or _param(params, "optimizer", cuda) == "adamw"), fairscale=FAIRSCALE_0_4_13,
+         title="fairscale FSDP mixed precision, world size 1: fp16/bf16 grads on fp32 params"),
     _bug("fsdp1-keeplow-offload-grad-dtype", None, {MATRIX},
          "torch FSDP1 bug: MixedPrecision(keep_low_precision_grads=True) + CPUOffload(offload_params=True): "
          "prepare_gradient_for_optim casts the grad through .data, which makes flat_param._cpu_grad itself "
@@ -316,19 +347,31 @@ KNOWN_BUGS = [
          "the next backward raises in `flat_param.grad = flat_param._cpu_grad`: RuntimeError: attempting to assign "
          "a gradient with dtype 'c10::Half' to a tensor with grad_dtype 'Float' (seen on torch 2.11, H200; the code "
          "is the same in 2.4.1 .. 2.15.0)",
-         when=_where(impl="fsdp1", offload="offload", grads="keeplow"), beats_race=True),
+         when=_where(impl="fsdp1", offload="offload", grads="keeplow"), beats_race=True,
+         title="FSDP1 keep_low_precision_grads + CPUOffload: the backward after zero_grad() raises"),
     _bug("fairscale-busy-gpu", {"fairscale_sharded"}, {BUSY},
-         "FINDINGS bug 2 (fairscale reads inv_scale's non_blocking CPU copy before it lands: CPU grads zeroed) "
-         "and, on 2 ranks, bug 1 (CPU found_inf never agreed)",
+         "fairscale ShardedGradScaler reads inv_scale's non_blocking CPU copy before it lands, so CPU grads are "
+         "zeroed (the async-copy race of async-copy-race-busy-gpu), and on 2 ranks it never agrees on a CPU "
+         "found_inf (fairscale-cpu-found-inf-not-agreed)",
          when=lambda params, cuda: params.get("placement") in CPU_GRADS_CUDA_SCALE
-         and not (params.get("bad") and params.get("world_size") == 1), fairscale=FAIRSCALE_0_4_13),
+         and not (params.get("bad") and params.get("world_size") == 1), fairscale=FAIRSCALE_0_4_13,
+         title="busy GPU: CPU grads zeroed by the async-copy race; on 2 ranks, no agreement either"),
 ]
-KNOWN_BUGS_BY_ID = {bug.id: bug for bug in KNOWN_BUGS}
-assert len(KNOWN_BUGS_BY_ID) == len(KNOWN_BUGS), "two KNOWN_BUGS entries share an id"
+assert len({bug.id for bug in KNOWN_BUGS}) == len(KNOWN_BUGS), "two KNOWN_BUGS entries share an id"
 
 
-# FINDINGS bug 2 makes these built-ins' results timing-dependent wherever CPU grads meet a CUDA
-# scale (or CUDA grads a CPU scale): even with an idle GPU they sometimes lose the async-copy race.
+def bug_by_id(bug_id: str, bugs=None) -> KnownBug:
+    """The entry with this id, looked up in KNOWN_BUGS (or the given table) at call time: no copy of the
+    table to keep in step with it. ValueError naming the id when no entry has it."""
+    found = next((bug for bug in (KNOWN_BUGS if bugs is None else bugs) if bug.id == bug_id), None)
+    if found is None:
+        raise ValueError(f"repro_of({bug_id!r}): no KNOWN_BUGS entry has that id")
+    return found
+
+
+# The async-copy race (KNOWN_BUGS async-copy-race-busy-gpu, docs/bugs.md) makes these built-ins' results
+# timing-dependent wherever CPU grads meet a CUDA scale (or CUDA grads a CPU scale): even with an idle
+# GPU they sometimes lose the race.
 # Their outcome there can be neither passed nor strictly xfailed, so those cells are skipped for
 # them and the race is checked deterministically, with the GPU kept busy, in test_busy_gpu.py.
 RACY_SCALERS = {"torch_amp", "torch_sharded", "fairscale_sharded"}
@@ -345,20 +388,18 @@ def skip_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str | No
         return "fairscale_sharded with FSDP2 DTensor grads on a CUDA machine: not yet characterised"
     placement = _param(params, "placement", cuda)
     if spec in RACY_SCALERS and placement in RACY_PLACEMENTS and test_name not in RACE_FREE_TESTS:
-        return (f"{spec} on placement {placement!r} is timing-dependent (FINDINGS bug 2: non_blocking "
-                f"CPU copies of inv_scale/found_inf used before they land); checked deterministically in "
-                f"test_busy_gpu.py")
+        return (f"{spec} on placement {placement!r} is timing-dependent (the async-copy race, known bug "
+                f"async-copy-race-busy-gpu: non_blocking CPU copies of inv_scale/found_inf used before they "
+                f"land); checked deterministically in test_busy_gpu.py")
     return None
 
 
-def repro_bug(spec: str, bug_ids, any_version: bool = False) -> KnownBug | None:
+def repro_bug(spec: str, bug_ids, any_version: bool = False, bugs=None) -> KnownBug | None:
     """The known bug a repro case shows for this scaler: the first of its @pytest.mark.repro_of ids whose
     entry names this built-in scaler (or is an FSDP implementation's bug: every scaler), where in force.
     The entry's `tests` and `when` are the conformance/matrix checks' business: a repro case IS the bug."""
     for bug_id in bug_ids:
-        if bug_id not in KNOWN_BUGS_BY_ID:
-            raise ValueError(f"repro_of({bug_id!r}): no KNOWN_BUGS entry has that id")
-        bug = KNOWN_BUGS_BY_ID[bug_id]
+        bug = bug_by_id(bug_id, bugs)
         if (bug.scalers is None or (spec in BUILTINS and spec in bug.scalers)) and (any_version or bug.in_force):
             return bug
     return None

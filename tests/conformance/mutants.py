@@ -38,7 +38,8 @@ class WorldGroup(DeviceSplitGradScaler):
 
 
 class BackoffOnlyIfExactlyOne(DeviceSplitGradScaler):
-    """fairscale's found_inf.item() == 1.0 (FINDINGS bug 3): a sum of 2.0 counts as clean."""
+    """fairscale's found_inf.item() == 1.0 (KNOWN_BUGS fairscale-backoff-only-if-exactly-one): a sum of 2.0 counts
+    as clean."""
 
     def _agree(self, found):
         value = super()._agree(found)

@@ -18,7 +18,7 @@ PLACEMENTS = {
     "cuda": dict(scaler="cuda", params=("cuda",), loss="cuda"),
     # FSDP CPU offload: compute (and loss, and scale) on the GPU, grads land on CPU
     "offload": dict(scaler="cuda", params=("cpu",), loss="cuda"),
-    # the seed's loss.to(model_device): a CUDA-device scaler whose first scaled loss is on CPU
+    # fairscale issue #421's loss.to(model_device): a CUDA-device scaler whose first scaled loss is on CPU
     "cpu_loss": dict(scaler="cuda", params=("cpu",), loss="cpu"),
     # one model with grads on both devices: an inf on one device only must still be seen
     "mixed": dict(scaler="cuda", params=("cpu", "cuda"), loss="cuda"),

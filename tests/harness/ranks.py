@@ -15,7 +15,7 @@ Three engines, one API:
 Rendezvous is a FileStore in a private temp dir, so concurrent xdist workers never share a
 port. Ranks die with their parent (PR_SET_PDEATHSIG plus a watchdog thread), also when
 pytest is killed with SIGKILL, and end with os._exit because gloo+FSDP ranks sometimes abort
-in interpreter teardown (../shared/FINDINGS.md).
+in interpreter teardown (seen in 14 of 170 spawns on a 2-core CPU machine; 0 of 115 with os._exit).
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 
 DEFAULT_TIMEOUT_S = 120.0
 PEER_GRACE_S = 5.0  # after one rank raised, the others get this long before their stacks are taken
@@ -56,9 +57,6 @@ DEVICES = ("cpu", "cuda", "cuda-shared")
 # per rank on that GPU for its life.
 CONTEXT_GIB = 2.0  # one rank's CUDA context plus a task's working set, with margin over the ~1.4 seen
 
-_settings = {"isolate": False, "timeout": DEFAULT_TIMEOUT_S}
-_pools: dict = {}
-_task_ids = itertools.count()
 _rank_device = None  # set inside a rank: the torch.device its tensors belong on
 
 
@@ -115,13 +113,6 @@ def _profile(event: str, seconds: float, **info) -> None:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(os.path.join(folder, f"{worker}.jsonl"), "a") as f:
             f.write(json.dumps(dict(event=event, seconds=round(seconds, 4), **info)) + "\n")
-
-
-def configure(isolate: bool | None = None, timeout: float | None = None) -> None:
-    if isolate is not None:
-        _settings["isolate"] = isolate
-    if timeout is not None:
-        _settings["timeout"] = float(timeout)
 
 
 def rank_device():
@@ -188,50 +179,9 @@ def _validate(world_size, device, backend):
         raise ValueError(f"run_on_ranks: backend 'nccl' needs device='cuda' (one GPU per rank), got {device!r}")
 
 
-def run_on_ranks(fn, *args, world_size: int = 2, device: str = "cpu", backend: str | None = None,
-                 timeout: float | None = None, seed: int = 0, exclusive_gpu: bool = False, **kwargs) -> list:
-    """Run fn(*args, **kwargs) on every rank; return [result of rank 0, result of rank 1, ...].
-
-    GPU tasks of different xdist workers share a GPU; exclusive_gpu=True waits until the task is
-    alone on its GPUs (for a check that other processes' GPU work could hide; the busy-GPU race
-    checks need no such thing: other work only makes the GPU busier).
-
-    Skips the calling test (pytest.skip) when the configuration needs hardware that is missing.
-    Raises RankRaised / RankDied / RankHung with every rank's traceback or stack.
-    """
-    import pytest
-
-    backend = backend or default_backend(device)
-    _validate(world_size, device, backend)
-    reason = missing_requirement(world_size, device, backend)
-    if reason:
-        pytest.skip(reason)
-    timeout = _settings["timeout"] if timeout is None else float(timeout)
-    try:
-        payload = pickle.dumps((fn, args, kwargs))
-    except Exception as exc:  # lambdas, closures, local classes, open handles ...
-        raise TypeError(f"run_on_ranks: {getattr(fn, '__qualname__', fn)!r} and its arguments must be "
-                        f"picklable (a module-level function, no lambdas or closures): {exc}") from exc
-    if torchrun_world_size() is not None:
-        return _run_under_torchrun(payload, device, backend, seed)
-    key = (world_size, backend, device)
-    exclusive_gpu = exclusive_gpu or os.environ.get("FSDP_AMP_EXCLUSIVE_GPUS") == "1"  # to measure the gain
-    _yield_idle_contexts(keep=key)
-    with _gpu_locks(world_size, device, exclusive_gpu):
-        if _settings["isolate"]:
-            pool = RankPool(*key)
-            try:
-                return pool.run(payload, timeout, seed)
-            finally:
-                pool.shutdown()
-        pool = _pools.get(key)
-        if pool is None or not pool.healthy:
-            pool = _pools[key] = RankPool(*key)
-        return pool.run(payload, timeout, seed)
-
-
-def _lock_path(name: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"fsdp-amp-suite-{name}.lock")
+def run_on_ranks(fn, *args, **kwargs) -> list:
+    """Run fn(*args, **kwargs) on every rank of the session's harness (Harness.run says how)."""
+    return session().run(fn, *args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,100 +199,212 @@ def context_budget(gpu: int) -> int:
         return 16
 
 
-def _try_context_slots(per_gpu: dict[int, int]) -> list | None:
-    """Take per_gpu[g] free context slots on each GPU g, all or none (no hold-and-wait)."""
-    held = []
-    for gpu, n in sorted(per_gpu.items()):
-        got = 0
-        for i in range(context_budget(gpu)):
-            if got == n:
-                break
-            f = open(_lock_path(f"gpu{gpu}-context{i}"), "w")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.close()
-                continue
-            held.append(f)
-            got += 1
-        if got < n:
-            for f in held:
-                f.close()
-            return None
-    return held
+class Harness:
+    """The ranks of one pytest session (or one script): its settings, its pools and its lock files.
 
+    The root conftest builds the session's from --isolate-ranks / --rank-timeout and installs it
+    (`install`); run_on_ranks runs on the installed one. A test that needs other settings, pools of its
+    own or lock files of its own builds its own Harness and calls its run(): nothing it does reaches
+    the pools or the settings that the other tests of its worker rely on.
 
-def _context_slots(world_size: int, device: str, gpus: list[int]) -> list:
-    """The context slots a new pool's ranks need. While the GPU's budget is spent, this worker's idle
-    GPU pools are retired first; then the other workers are asked to retire theirs (a 'wanted' file
-    they look at before each task), and the wait is bounded: past it, the failure says what is held."""
-    per_gpu = collections.Counter(gpus[:world_size] if device == "cuda" else [gpus[0]] * world_size)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        held = _try_context_slots(per_gpu)
-        if held is not None:
-            return held
-        idle = [k for k, p in _pools.items() if p.slots]
-        if idle:
-            _pools.pop(idle[0]).shutdown()
-            continue
-        with open(_lock_path("contexts-wanted"), "w"):
-            pass  # its mtime tells the other workers to retire their idle GPU pools
-        if time.monotonic() > deadline:
-            budget = {g: context_budget(g) for g in per_gpu}
-            raise RankFailure(f"could not get CUDA contexts for {world_size} rank(s) on GPU(s) {dict(per_gpu)} within "
-                              f"{STARTUP_TIMEOUT_S:g} s: every slot of the per-GPU budget {budget} is held by other "
-                              f"pools of this suite (set FSDP_AMP_GPU_CONTEXTS, or run fewer xdist workers)")
-        time.sleep(0.1)
-
-
-def _yield_idle_contexts(keep) -> None:
-    """Another worker waits for context slots: retire this worker's idle GPU pools (not the one wanted now)."""
-    try:
-        wanted = time.time() - os.stat(_lock_path("contexts-wanted")).st_mtime < 2.0
-    except FileNotFoundError:
-        return
-    if wanted:
-        for k in [k for k, p in _pools.items() if p.slots and k != keep]:
-            _pools.pop(k).shutdown()
-
-
-@contextlib.contextmanager
-def _gpu_locks(world_size: int, device: str, exclusive: bool):
-    """flock each GPU the task uses: shared by ordinary tasks, exclusive for timing-sensitive ones.
-
-    A timing check (an async copy racing queued kernels) must see only its own queued work, so it
-    waits until no other worker's task runs on its GPUs; everything else shares them. The shared
-    take is made under a brief exclusive gate, as the exclusive one is, so a stream of shared tasks
-    cannot starve an exclusive one (flock alone has no writer preference). CPU tasks take no lock.
+        isolate          spawn fresh ranks for every task (and stop them after it)
+        timeout          seconds a task may run before its ranks' stacks are taken and it fails
+        startup_timeout  seconds a pool may take to start, waiting for CUDA context slots included
+        contexts         CUDA contexts allowed per GPU (None: context_budget(gpu), shared by every worker)
+        lock_dir         where the GPU locks and context slot files live (shared by the workers that use it)
     """
-    if device == "cpu":
-        yield
-        return
-    gpus = worker_gpus()[: world_size if device == "cuda" else 1]
 
-    def lock_file(name):
-        return stack.enter_context(open(_lock_path(name), "w"))
+    def __init__(self, isolate: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
+                 startup_timeout: float = STARTUP_TIMEOUT_S, contexts: int | None = None, lock_dir: str | None = None):
+        for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"Harness: {name} must be a positive number of seconds, got {value!r}")
+        self.isolate, self.timeout, self.startup_timeout = bool(isolate), float(timeout), float(startup_timeout)
+        self.contexts, self.lock_dir = contexts, lock_dir or tempfile.gettempdir()
+        self.pools: dict = {}  # (world_size, backend, device) -> RankPool
+        _LIVE.add(self)
 
-    with contextlib.ExitStack() as stack:
-        asked = time.monotonic()
-        gate = lock_file("gate")
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        for g in sorted(gpus):  # one global order: no lock-order deadlock between workers
-            fcntl.flock(lock_file(f"gpu{g}"), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        fcntl.flock(gate, fcntl.LOCK_UN)
-        _profile("lock_wait", time.monotonic() - asked, exclusive=exclusive)
-        held = time.monotonic()
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def run(self, fn, *args, world_size: int = 2, device: str = "cpu", backend: str | None = None,
+            timeout: float | None = None, seed: int = 0, exclusive_gpu: bool = False, **kwargs) -> list:
+        """Run fn(*args, **kwargs) on every rank; return [result of rank 0, result of rank 1, ...].
+
+        GPU tasks of different xdist workers share a GPU; exclusive_gpu=True waits until the task is
+        alone on its GPUs (for a check that other processes' GPU work could hide; the busy-GPU race
+        checks need no such thing: other work only makes the GPU busier).
+
+        Skips the calling test (pytest.skip) when the configuration needs hardware that is missing.
+        Raises RankRaised / RankDied / RankHung with every rank's traceback or stack.
+        """
+        import pytest
+
+        backend = backend or default_backend(device)
+        _validate(world_size, device, backend)
+        reason = missing_requirement(world_size, device, backend)
+        if reason:
+            pytest.skip(reason)
+        timeout = self.timeout if timeout is None else float(timeout)
         try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as exc:  # lambdas, closures, local classes, open handles ...
+            raise TypeError(f"run_on_ranks: {getattr(fn, '__qualname__', fn)!r} and its arguments must be "
+                            f"picklable (a module-level function, no lambdas or closures): {exc}") from exc
+        if torchrun_world_size() is not None:
+            return _run_under_torchrun(payload, device, backend, seed)
+        key = (world_size, backend, device)
+        exclusive_gpu = exclusive_gpu or os.environ.get("FSDP_AMP_EXCLUSIVE_GPUS") == "1"  # to measure the gain
+        self._yield_idle_contexts(keep=key)
+        with self._gpu_locks(world_size, device, exclusive_gpu):
+            if self.isolate:
+                pool = self._new_pool(*key)
+                try:
+                    return pool.run(payload, timeout, seed)
+                finally:
+                    pool.shutdown()
+            pool = self.pools.get(key)
+            if pool is None or not pool.healthy:
+                self.pools.pop(key, None)
+                pool = self.pools[key] = self._new_pool(*key)
+            return pool.run(payload, timeout, seed)
+
+    def shutdown(self) -> None:
+        """Stop every pool of this harness (its ranks exit, its context slots are released)."""
+        for key in list(self.pools):
+            self.pools.pop(key).shutdown()
+
+    def _new_pool(self, world_size: int, backend: str, device: str) -> RankPool:
+        gpus = worker_gpus() if device != "cpu" else []
+        wanted = collections.Counter(gpus[:world_size] if device == "cuda" else gpus[:1] * world_size)
+        slots = self.context_slots(wanted) if wanted else []
+        return RankPool(world_size, backend, device, gpus, slots, self.startup_timeout,
+                        {g: self.budget(g) for g in wanted})
+
+    def _lock_path(self, name: str) -> str:
+        return os.path.join(self.lock_dir, f"fsdp-amp-suite-{name}.lock")
+
+    def budget(self, gpu: int) -> int:
+        return self.contexts if self.contexts is not None else context_budget(gpu)
+
+    def take_context_slots(self, per_gpu: dict[int, int]) -> list | None:
+        """Take per_gpu[g] free context slots on each GPU g, all or none (no hold-and-wait): the open,
+        flock'ed slot files (closing one releases it), or None."""
+        held = []
+        for gpu, n in sorted(per_gpu.items()):
+            got = 0
+            for i in range(self.budget(gpu)):
+                if got == n:
+                    break
+                f = open(self._lock_path(f"gpu{gpu}-context{i}"), "w")
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    f.close()
+                    continue
+                held.append(f)
+                got += 1
+            if got < n:
+                for f in held:
+                    f.close()
+                return None
+        return held
+
+    def context_slots(self, per_gpu: dict[int, int]) -> list:
+        """The context slots a new pool's ranks need (per_gpu: GPU -> ranks on it). While a GPU's budget is
+        spent, this harness's idle pools that hold slots on the GPUs wanted are retired (no others: retiring
+        a CUDA pool costs seconds and frees nothing here); then the other workers are asked to retire theirs
+        (a 'wanted' file they look at before each task). The whole wait, retiring included, is bounded by
+        startup_timeout; past it, the failure says what is held."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            held = self.take_context_slots(per_gpu)
+            if held is not None:
+                return held
+            left = deadline - time.monotonic()
+            if left <= 0:
+                budget = {g: self.budget(g) for g in per_gpu}
+                raise RankFailure(f"could not get CUDA contexts for {sum(per_gpu.values())} rank(s) on GPU(s) "
+                                  f"{dict(per_gpu)} within {self.startup_timeout:g} s: every slot of the per-GPU "
+                                  f"budget {budget} is held by other pools of this suite (set FSDP_AMP_GPU_CONTEXTS, "
+                                  f"or run fewer xdist workers)")
+            retire = [k for k, p in self.pools.items() if p.slot_gpus & set(per_gpu)]
+            if retire:
+                self.pools.pop(retire[0]).shutdown(within=left)
+                continue
+            with open(self._lock_path("contexts-wanted"), "w"):
+                pass  # its mtime tells the other workers to retire their idle GPU pools
+            time.sleep(min(0.1, left))
+
+    def _yield_idle_contexts(self, keep) -> None:
+        """Another worker waits for context slots: retire this harness's idle GPU pools (not the one wanted now)."""
+        try:
+            wanted = time.time() - os.stat(self._lock_path("contexts-wanted")).st_mtime < 2.0
+        except FileNotFoundError:
+            return
+        if wanted:
+            for k in [k for k, p in self.pools.items() if p.slots and k != keep]:
+                self.pools.pop(k).shutdown()
+
+    @contextlib.contextmanager
+    def _gpu_locks(self, world_size: int, device: str, exclusive: bool):
+        """flock each GPU the task uses: shared by ordinary tasks, exclusive for timing-sensitive ones.
+
+        A timing check (an async copy racing queued kernels) must see only its own queued work, so it
+        waits until no other worker's task runs on its GPUs; everything else shares them. The shared
+        take is made under a brief exclusive gate, as the exclusive one is, so a stream of shared tasks
+        cannot starve an exclusive one (flock alone has no writer preference). CPU tasks take no lock.
+        """
+        if device == "cpu":
             yield
-        finally:
-            if exclusive:  # every other worker's GPU task waits this long
-                _profile("exclusive_hold", time.monotonic() - held)
+            return
+        gpus = worker_gpus()[: world_size if device == "cuda" else 1]
+
+        def lock_file(name):
+            return stack.enter_context(open(self._lock_path(name), "w"))
+
+        with contextlib.ExitStack() as stack:
+            asked = time.monotonic()
+            gate = lock_file("gate")
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            for g in sorted(gpus):  # one global order: no lock-order deadlock between workers
+                fcntl.flock(lock_file(f"gpu{g}"), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            _profile("lock_wait", time.monotonic() - asked, exclusive=exclusive)
+            held = time.monotonic()
+            try:
+                yield
+            finally:
+                if exclusive:  # every other worker's GPU task waits this long
+                    _profile("exclusive_hold", time.monotonic() - held)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every harness of this process, stopped at exit
+_installed: Harness | None = None
+
+
+def install(harness: Harness | None) -> Harness | None:
+    """Make `harness` the one run_on_ranks uses (the root conftest does, once per session); returns the one before."""
+    global _installed
+    previous, _installed = _installed, harness
+    return previous
+
+
+def session() -> Harness:
+    """The installed harness; outside pytest (a repro file or a benchmark run as a program), a default one."""
+    global _installed
+    if _installed is None:
+        _installed = Harness()
+    return _installed
 
 
 def shutdown_pools() -> None:
-    for key in list(_pools):
-        _pools.pop(key).shutdown()
+    """Stop every pool of every harness of this process (at exit, and where a script ends)."""
+    for harness in list(_LIVE):
+        harness.shutdown()
 
 
 atexit.register(shutdown_pools)
@@ -351,30 +413,34 @@ atexit.register(shutdown_pools)
 class RankPool:
     """world_size long-lived rank processes sharing one process group."""
 
-    def __init__(self, world_size: int, backend: str, device: str):
+    def __init__(self, world_size: int, backend: str, device: str, gpus: list[int], slots: list,
+                 startup_timeout: float = STARTUP_TIMEOUT_S, budget: dict | None = None):
+        """Spawn the ranks on `gpus` (worker_gpus(); [] on CPU) holding `slots` (their CUDA context slots,
+        released by shutdown); `budget` ({GPU: contexts}) is quoted by a rank that cannot get its context."""
         self.world_size, self.backend, self.device = world_size, backend, device
+        self.slots = slots
+        self.slot_gpus = set(gpus[:world_size] if device == "cuda" else gpus[:1])  # where those slots are
         self.dir = tempfile.mkdtemp(prefix=f"rankpool-ws{world_size}-")
         self.logs = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
+        self._task_ids = itertools.count()
         ctx = multiprocessing.get_context("spawn")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        gpus = worker_gpus() if device != "cpu" else []
-        self.slots = _context_slots(world_size, device, gpus) if gpus else []  # released by shutdown
         self.procs = [
             ctx.Process(target=_rank_main, name=f"rank{r}-of-{world_size}", daemon=True,
                         args=(r, world_size, backend, device, gpus, os.path.join(self.dir, "store"),
-                              self.tasks[r], self.results, os.getpid(), self.logs[r]))
+                              self.tasks[r], self.results, os.getpid(), self.logs[r], budget or {}))
             for r in range(world_size)
         ]
         self.healthy = True
         started = time.monotonic()
-        for p in self.procs:
-            p.start()
         try:
-            failed = _errors(self._collect("ready", STARTUP_TIMEOUT_S, 0))
+            for p in self.procs:
+                p.start()
+            failed = _errors(self._collect("ready", startup_timeout, 0))
             if failed:  # every rank answered, some of them that it could not start
                 raise RankRaised("could not start", failed, {}, world_size)
-        except RankFailure:
+        except BaseException:
             self.shutdown(graceful=False)
             raise
         _profile("pool_start", time.monotonic() - started, world_size=world_size, device=device)
@@ -384,7 +450,7 @@ class RankPool:
         return [p.pid for p in self.procs]
 
     def run(self, payload: bytes, timeout: float, seed: int) -> list:
-        task_id = next(_task_ids)
+        task_id = next(self._task_ids)
         offsets = [os.path.getsize(log) if os.path.exists(log) else 0 for log in self.logs]
         for q in self.tasks:
             q.put((task_id, payload, seed))
@@ -409,7 +475,7 @@ class RankPool:
             self.shutdown(graceful=False)
 
     def _collect_task(self, payload, timeout):
-        task_id = next(_task_ids)
+        task_id = next(self._task_ids)
         for q in self.tasks:
             q.put((task_id, payload, 0))
         return self._collect(task_id, timeout, 0)
@@ -482,10 +548,12 @@ class RankPool:
             out[r] = "output and stack (faulthandler):\n" + _tail(text, 150)
         return out
 
-    def shutdown(self, graceful: bool = True) -> None:
+    def shutdown(self, graceful: bool = True, within: float = 10.0) -> None:
+        """Stop the ranks: asked to exit (graceful) and given `within` seconds in all, then killed."""
         if not self.healthy:
             return
         self.healthy = False
+        deadline = time.monotonic() + within
         if graceful:
             for q in self.tasks:
                 try:
@@ -493,11 +561,12 @@ class RankPool:
                 except (OSError, ValueError):
                     pass
             for p in self.procs:
-                p.join(timeout=10)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
-            p.join(timeout=10)
+            if p.pid is not None:
+                p.join(timeout=10)  # a killed process is reaped at once
         for q in (*self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
@@ -589,7 +658,7 @@ def _to_host(obj):
     return obj
 
 
-def _rank_main(rank, world_size, backend, device, gpus, store_path, tasks, results, parent_pid, log_path):
+def _rank_main(rank, world_size, backend, device, gpus, store_path, tasks, results, parent_pid, log_path, budget):
     global _rank_device
     _die_with_parent(parent_pid)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -616,7 +685,7 @@ def _rank_main(rank, world_size, backend, device, gpus, store_path, tasks, resul
             torch.zeros(1, device=f"cuda:{gpu}")  # the context is made here, not in the first task
         except RuntimeError as exc:
             results.put(("ready", rank, False, f"rank {rank} could not get a CUDA context on GPU {gpu}: {exc}\n"
-                         f"(this suite's budget is {context_budget(gpu)} contexts per GPU; other processes may "
+                         f"(this suite's budget is {budget.get(gpu, '?')} contexts per GPU; other processes may "
                          f"hold its memory)"))
             results.close()
             results.join_thread()  # the message must leave before the process does

@@ -16,7 +16,7 @@ plugged factory may set the same, a plain function gets the defaults):
 
     needs(cell, n_gpus) -> str | None     why this machine cannot run the cell (it skips at collection)
     loss_on_param_device: bool            the loss is moved to the params' device before scaling, so
-                                          the scale lives there (fairscale's seed path: CPU with offload)
+                                          the scale lives there (fairscale issue #421's path: CPU with offload)
     low_precision_grads(cell) -> bool     the scaler gets grads in the reduce dtype (not fp32) in this cell
 """
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _fairscale_needs(cell, n_gpus):
 
 def _fairscale_low_precision_grads(cell):
     # it casts grads to the param dtype only after a reduction, so without offload at world size 1 (nothing
-    # to reduce) they stay in the compute dtype (FINDINGS bug 5's setting)
+    # to reduce) they stay in the compute dtype (where bf16 hits KNOWN_BUGS bf16-cuda-unscale-kernel)
     return cell.offload == "nooffload" and cell.world_size == 1
 
 

@@ -1,4 +1,8 @@
-"""The rank harness keeps its promises: results, faults, hangs, isolation, no leftovers."""
+"""The rank harness keeps its promises: results, faults, hangs, isolation, no leftovers.
+
+Every test here runs on a Harness of its own (the `harness` fixture, or one built for the test), never on
+the session's: crashing, hanging and isolating ranks, small context budgets and short timeouts must not
+reach the pools and settings that the other tests of this worker rely on."""
 import ctypes
 import dataclasses
 import os
@@ -14,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from tests.child_run import ROOT, clean_env
-from tests.harness import (RankDied, RankHung, RankRaised, configure, missing_requirement, rank_device,
-                           run_on_ranks)
+from tests.harness import (Harness, RankDied, RankFailure, RankHung, RankRaised, missing_requirement, rank_device,
+                           session)
 from tests.harness import ranks as ranks_module
 
 pytestmark = pytest.mark.harness
@@ -123,61 +127,66 @@ def _shared_gpu_all_reduce():
     return str(rank_device()), t
 
 
+@pytest.fixture(scope="module")
+def harness():
+    """This module's own ranks: its faults and pools never touch the session's harness."""
+    with Harness() as own:
+        yield own
+
+
 # ---------------------------------------------------------------- results
 
-def test_every_rank_returns_its_result_in_rank_order():
-    out = run_on_ranks(_identity, "x", world_size=2)
+def test_every_rank_returns_its_result_in_rank_order(harness):
+    out = harness.run(_identity, "x", world_size=2)
     assert [o["rank"] for o in out] == [0, 1]
     assert all(o["world"] == 2 and o["tag"] == "x" for o in out)
     assert all(torch.equal(o["sum"], torch.full((3,), 1.0)) for o in out)
     assert out[0]["pid"] != out[1]["pid"] != os.getpid()
 
 
-def test_pool_is_reused_between_tasks():
-    first = run_on_ranks(_identity, "a", world_size=2)
-    second = run_on_ranks(_identity, "b", world_size=2)
+def test_pool_is_reused_between_tasks(harness):
+    first = harness.run(_identity, "a", world_size=2)
+    second = harness.run(_identity, "b", world_size=2)
     assert [o["pid"] for o in first] == [o["pid"] for o in second]
 
 
-def test_world_size_one_and_three_get_their_own_pools():
-    assert [o["rank"] for o in run_on_ranks(_identity, "x", world_size=1)] == [0]
-    out = run_on_ranks(_identity, "x", world_size=3)
+def test_world_size_one_and_three_get_their_own_pools(harness):
+    assert [o["rank"] for o in harness.run(_identity, "x", world_size=1)] == [0]
+    out = harness.run(_identity, "x", world_size=3)
     assert [o["rank"] for o in out] == [0, 1, 2]
     assert torch.equal(out[2]["sum"], torch.full((3,), 3.0))
 
 
-def test_each_task_starts_from_clean_global_state():
-    run_on_ranks(_dirty_global_state, world_size=2)
-    for grad_enabled, dtype, r in run_on_ranks(_observe_global_state, world_size=2):
+def test_each_task_starts_from_clean_global_state(harness):
+    harness.run(_dirty_global_state, world_size=2)
+    for grad_enabled, dtype, r in harness.run(_observe_global_state, world_size=2):
         assert grad_enabled and dtype == torch.float32
     # seeds are reset per task: two tasks draw the same "random" numbers
-    again = run_on_ranks(_observe_global_state, world_size=2)
-    assert torch.equal(again[0][2], run_on_ranks(_observe_global_state, world_size=2)[0][2])
+    again = harness.run(_observe_global_state, world_size=2)
+    assert torch.equal(again[0][2], harness.run(_observe_global_state, world_size=2)[0][2])
 
 
-def test_objects_left_by_a_task_are_gone_before_the_next():
-    run_on_ranks(_leave_garbage_cycle_in_old_generation, world_size=2)
-    assert run_on_ranks(_count_leftovers, world_size=2) == [0, 0]
+def test_objects_left_by_a_task_are_gone_before_the_next(harness):
+    harness.run(_leave_garbage_cycle_in_old_generation, world_size=2)
+    assert harness.run(_count_leftovers, world_size=2) == [0, 0]
 
 
-def test_same_case_twice_is_bit_identical():
-    a = run_on_ranks(_tiny_training, 3, world_size=2)
-    b = run_on_ranks(_tiny_training, 3, world_size=2)
+def test_same_case_twice_is_bit_identical(harness):
+    a = harness.run(_tiny_training, 3, world_size=2)
+    b = harness.run(_tiny_training, 3, world_size=2)
     for rank in range(2):
         assert all(torch.equal(x, y) for x, y in zip(a[rank][0], b[rank][0]))
         assert torch.equal(a[rank][1], b[rank][1])
     assert all(torch.equal(x, y) for x, y in zip(a[0][0], a[1][0]))  # data parallel: ranks agree
 
 
-def test_isolation_mode_gives_the_same_results_as_the_pool():
-    pooled = run_on_ranks(_tiny_training, 2, world_size=2)
-    configure(isolate=True)
-    try:
-        isolated = run_on_ranks(_tiny_training, 2, world_size=2)
-        pids1 = [o["pid"] for o in run_on_ranks(_identity, "i", world_size=2)]
-        pids2 = [o["pid"] for o in run_on_ranks(_identity, "i", world_size=2)]
-    finally:
-        configure(isolate=False)
+def test_isolation_mode_gives_the_same_results_as_the_pool(harness):
+    pooled = harness.run(_tiny_training, 2, world_size=2)
+    with Harness(isolate=True) as isolating:
+        isolated = isolating.run(_tiny_training, 2, world_size=2)
+        pids1 = [o["pid"] for o in isolating.run(_identity, "i", world_size=2)]
+        pids2 = [o["pid"] for o in isolating.run(_identity, "i", world_size=2)]
+        assert not isolating.pools, "isolation mode keeps no pool"
     for rank in range(2):
         assert all(torch.equal(x, y) for x, y in zip(pooled[rank][0], isolated[rank][0]))
     assert set(pids1).isdisjoint(pids2), "isolation mode must spawn fresh ranks for every case"
@@ -185,9 +194,9 @@ def test_isolation_mode_gives_the_same_results_as_the_pool():
 
 # ---------------------------------------------------------------- faults
 
-def test_exception_on_rank_1_only_fails_with_that_traceback():
+def test_exception_on_rank_1_only_fails_with_that_traceback(harness):
     with pytest.raises(RankRaised) as info:
-        run_on_ranks(_raise_on, 1, world_size=2)
+        harness.run(_raise_on, 1, world_size=2)
     text = str(info.value)
     assert "rank(s) [1]" in text and "ValueError: boom on rank 1" in text and "_raise_on" in text
     assert "----- rank 0" not in text  # rank 0 was fine
@@ -195,51 +204,51 @@ def test_exception_on_rank_1_only_fails_with_that_traceback():
     for exc in (info.value, pickle.loads(pickle.dumps(info.value))):
         assert (exc.what, sorted(exc.ranks), exc.world_size) == ("raised", [1], 2)
         assert exc.error() == "ValueError: boom on rank 1" and str(exc) == text
-    pids = [o["pid"] for o in run_on_ranks(_identity, "after", world_size=2)]
+    pids = [o["pid"] for o in harness.run(_identity, "after", world_size=2)]
     assert len(pids) == 2  # the pool still works
 
 
-def test_exception_while_peer_waits_in_collective_fails_fast_with_both_stories():
+def test_exception_while_peer_waits_in_collective_fails_fast_with_both_stories(harness):
     start = time.monotonic()
     with pytest.raises(RankRaised) as info:
-        run_on_ranks(_raise_while_peer_waits, world_size=2, timeout=120)
+        harness.run(_raise_while_peer_waits, world_size=2, timeout=120)
     elapsed = time.monotonic() - start
     text = str(info.value)
     assert "rank 1 gave up before the collective" in text
     assert "_peer_waits_in_all_reduce" in text  # rank 0's faulthandler stack
     assert elapsed < ranks_module.PEER_GRACE_S + 10, f"took {elapsed:.1f} s: should not wait for the task timeout"
-    assert [o["rank"] for o in run_on_ranks(_identity, "after", world_size=2)] == [0, 1]
+    assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
 
 
-def test_segfaulting_rank_fails_with_its_stack_and_pool_is_rebuilt():
-    before = [o["pid"] for o in run_on_ranks(_identity, "before", world_size=2)]
+def test_segfaulting_rank_fails_with_its_stack_and_pool_is_rebuilt(harness):
+    before = [o["pid"] for o in harness.run(_identity, "before", world_size=2)]
     with pytest.raises(RankDied) as info:
-        run_on_ranks(_segfault_on, 1, world_size=2, timeout=60)
+        harness.run(_segfault_on, 1, world_size=2, timeout=60)
     text = str(info.value)
     assert "SIGSEGV" in text and "Segmentation fault" in text and "_segfault_on" in text
-    after = [o["pid"] for o in run_on_ranks(_identity, "after", world_size=2)]
+    after = [o["pid"] for o in harness.run(_identity, "after", world_size=2)]
     assert set(before).isdisjoint(after)
     for pid in before:  # the old ranks are gone, not orphaned
         assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
 
 
-def test_rank_that_exits_fails_with_its_exit_code():
+def test_rank_that_exits_fails_with_its_exit_code(harness):
     with pytest.raises(RankDied) as info:
-        run_on_ranks(_exit_on, 0, 7, world_size=2, timeout=60)
+        harness.run(_exit_on, 0, 7, world_size=2, timeout=60)
     assert "exit code 7" in str(info.value)
-    assert [o["rank"] for o in run_on_ranks(_identity, "after", world_size=2)] == [0, 1]
+    assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
 
 
-def test_hang_in_mismatched_collective_fails_within_timeout_and_next_case_passes():
+def test_hang_in_mismatched_collective_fails_within_timeout_and_next_case_passes(harness):
     start = time.monotonic()
     with pytest.raises(RankHung) as info:
-        run_on_ranks(_mismatched_collective, world_size=2, timeout=4)
+        harness.run(_mismatched_collective, world_size=2, timeout=4)
     elapsed = time.monotonic() - start
     text = str(info.value)
     assert "hung (no answer within 4 s)" in text and "rank(s) [0]" in text
     assert "_rank0_stuck_in_all_reduce" in text  # where it hung, from faulthandler
     assert elapsed < 4 + 10
-    assert [o["rank"] for o in run_on_ranks(_identity, "after", world_size=2)] == [0, 1]
+    assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
 
 
 def _is_zombie(pid):
@@ -264,14 +273,14 @@ def _local_closure_maker():
     ({"world_size": 2, "backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
     ({"world_size": 2, "backend": "nccl", "device": "cpu"}, "backend 'nccl' needs device='cuda'"),
 ])
-def test_bad_configuration_is_a_clear_error(kwargs, message):
+def test_bad_configuration_is_a_clear_error(harness, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        run_on_ranks(_identity, "x", **kwargs)
+        harness.run(_identity, "x", **kwargs)
 
 
-def test_unpicklable_body_is_a_clear_error_not_a_hang():
+def test_unpicklable_body_is_a_clear_error_not_a_hang(harness):
     with pytest.raises(TypeError, match="must be picklable"):
-        run_on_ranks(_local_closure_maker(), world_size=2)
+        harness.run(_local_closure_maker(), world_size=2)
 
 
 def test_missing_cuda_or_gpus_is_a_skip_with_a_reason():
@@ -376,36 +385,71 @@ def test_torchrun_mode_runs_bodies_on_launcher_ranks(tmp_path):
 FAKE_GPU = 97  # slot files only: no CUDA needed to check the bookkeeping
 
 
-def test_context_slots_are_taken_all_or_none_within_the_budget(monkeypatch):
-    monkeypatch.setenv("FSDP_AMP_GPU_CONTEXTS", "3")
-    ranks_module.context_budget.cache_clear()
-    try:
-        two = ranks_module._try_context_slots({FAKE_GPU: 2})
+def test_context_slots_are_taken_all_or_none_within_the_budget(tmp_path):
+    with Harness(contexts=3, lock_dir=str(tmp_path)) as own:
+        two = own.take_context_slots({FAKE_GPU: 2})
         assert len(two) == 2
-        assert ranks_module._try_context_slots({FAKE_GPU: 2}) is None, "only 1 of 3 slots is left"
-        one = ranks_module._try_context_slots({FAKE_GPU: 1})
+        assert own.take_context_slots({FAKE_GPU: 2}) is None, "only 1 of 3 slots is left"
+        one = own.take_context_slots({FAKE_GPU: 1})
         assert len(one) == 1, "the refused take of 2 must not keep the slot it found"
         for f in two:
             f.close()
-        assert len(ranks_module._try_context_slots({FAKE_GPU: 2})) == 2
-    finally:
-        ranks_module.context_budget.cache_clear()
+        assert len(own.take_context_slots({FAKE_GPU: 2})) == 2
 
 
-def test_a_spent_context_budget_fails_in_bounded_time_saying_so(monkeypatch):
-    monkeypatch.setenv("FSDP_AMP_GPU_CONTEXTS", "2")
-    monkeypatch.setattr(ranks_module, "STARTUP_TIMEOUT_S", 0.5)
-    ranks_module.context_budget.cache_clear()
-    try:
-        held = ranks_module._try_context_slots({FAKE_GPU: 2})  # another worker's pool
+class _IdlePool:
+    """Stands for an idle GPU pool of a harness: holds context slots on one GPU; shutdown releases them."""
+
+    def __init__(self, harness, gpu, seconds_to_stop=0.0):
+        self.slots, self.slot_gpus, self.seconds_to_stop = harness.take_context_slots({gpu: 1}), {gpu}, seconds_to_stop
+        self.stopped_within = None
+
+    def shutdown(self, graceful=True, within=10.0):
+        self.stopped_within = within
+        time.sleep(min(self.seconds_to_stop, within))
+        for f in self.slots:
+            f.close()
+        self.slots = []
+
+
+def test_a_spent_context_budget_fails_in_bounded_time_saying_so(tmp_path):
+    """The budget is spent by another worker's pool (slots held here), this harness has idle pools on other
+    GPUs only, and retiring one would take 30 s: none is retired, and the wait ends at startup_timeout."""
+    with Harness(contexts=2, lock_dir=str(tmp_path), startup_timeout=0.5) as own:
+        held = own.take_context_slots({FAKE_GPU: 2})  # another worker's pool
+        elsewhere = own.pools["elsewhere"] = _IdlePool(own, FAKE_GPU + 1, seconds_to_stop=30)
         t0 = time.monotonic()
-        with pytest.raises(ranks_module.RankFailure, match=r"could not get CUDA contexts for 1 rank\(s\) on GPU\(s\) "
-                           r"\{97: 1\} within 0.5 s: every slot of the per-GPU budget \{97: 2\} is held"):
-            ranks_module._context_slots(1, "cuda", [FAKE_GPU])
-        assert time.monotonic() - t0 < 5
+        try:
+            with pytest.raises(RankFailure, match=r"could not get CUDA contexts for 1 rank\(s\) on GPU\(s\) "
+                               r"\{97: 1\} within 0.5 s: every slot of the per-GPU budget \{97: 2\} is held"):
+                own.context_slots({FAKE_GPU: 1})
+        finally:
+            seconds = time.monotonic() - t0
+            stand_ins, own.pools = dict(own.pools), {}  # nothing real to stop on the way out
+        assert seconds < 5, f"took {seconds:.1f} s"
+        assert "elsewhere" in stand_ins and elsewhere.stopped_within is None, \
+            "a pool on another GPU was retired: it frees nothing on the GPU waited for"
         del held
-    finally:
-        ranks_module.context_budget.cache_clear()
+
+
+def test_an_idle_pool_on_the_gpu_waited_for_is_retired_within_the_bound(tmp_path):
+    with Harness(contexts=1, lock_dir=str(tmp_path), startup_timeout=2.0) as own:
+        mine = own.pools["mine"] = _IdlePool(own, FAKE_GPU, seconds_to_stop=30)  # the budget's one slot
+        t0 = time.monotonic()
+        got = own.context_slots({FAKE_GPU: 1})
+        assert len(got) == 1 and "mine" not in own.pools, "the idle pool holding the slot must be retired"
+        assert mine.stopped_within is not None and mine.stopped_within <= 2.0, \
+            f"retiring was given {mine.stopped_within} s: the bound must cover it"
+        assert time.monotonic() - t0 < 2.0 + 5
+
+
+def test_run_on_ranks_uses_the_session_harness_built_from_the_options(request):
+    import conftest
+
+    harness, _ = request.config.stash[conftest.HARNESS]
+    assert session() is harness
+    assert (harness.isolate, harness.timeout) == (request.config.getoption("--isolate-ranks"),
+                                                  request.config.getoption("--rank-timeout"))
 
 
 @pytest.mark.gpu
@@ -425,22 +469,22 @@ def test_workers_pools_share_a_small_context_budget(tmp_path):
 # ---------------------------------------------------------------- GPU device modes
 
 @pytest.mark.gpu
-def test_two_gloo_ranks_share_one_gpu():
-    out = run_on_ranks(_shared_gpu_all_reduce, world_size=2, device="cuda-shared")
+def test_two_gloo_ranks_share_one_gpu(harness):
+    out = harness.run(_shared_gpu_all_reduce, world_size=2, device="cuda-shared")
     assert [dev for dev, _ in out] == ["cuda:0", "cuda:0"] or len({dev for dev, _ in out}) == 1
     assert all(torch.equal(t, torch.full((2,), 3.0)) for _, t in out)
 
 
 @pytest.mark.gpu
-def test_one_nccl_rank_on_one_gpu():
-    out = run_on_ranks(_shared_gpu_all_reduce, world_size=1, device="cuda")
+def test_one_nccl_rank_on_one_gpu(harness):
+    out = harness.run(_shared_gpu_all_reduce, world_size=1, device="cuda")
     assert out[0][0].startswith("cuda:") and torch.equal(out[0][1], torch.ones(2))
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_two_nccl_ranks_on_two_gpus():
-    out = run_on_ranks(_shared_gpu_all_reduce, world_size=2, device="cuda")
+def test_two_nccl_ranks_on_two_gpus(harness):
+    out = harness.run(_shared_gpu_all_reduce, world_size=2, device="cuda")
     assert out[0][0] != out[1][0]
     assert all(torch.equal(t, torch.full((2,), 3.0)) for _, t in out)
 
@@ -456,9 +500,9 @@ def _record_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_a_result_record_comes_back_on_the_host():
+def test_a_result_record_comes_back_on_the_host(harness):
     """A task's dataclass result (e.g. the matrix's CellRun) keeps its type, its tensors copied to the host:
     the controller must never build a CUDA context to unpickle a result."""
-    out = run_on_ranks(_record_on_the_gpu, world_size=1, device="cuda")
+    out = harness.run(_record_on_the_gpu, world_size=1, device="cuda")
     assert isinstance(out[0], _Record) and out[0].where.startswith("cuda")
     assert out[0].tensors["t"].device.type == "cpu", "a CUDA tensor inside a result record was not moved to the host"

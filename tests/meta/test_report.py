@@ -7,7 +7,6 @@ import pytest
 from tests import report
 from tests.child_run import ROOT
 
-pytestmark = pytest.mark.harness
 
 
 def rep(nodeid, outcome, scaler="ours", family="single rank", when="call", reason=None, **props):
@@ -23,12 +22,13 @@ def test_each_test_id_counts_once_with_its_worst_outcome():
     recs = report.records([rep("a", "passed", when="setup"), rep("a", "passed"),
                            rep("b", "skipped", when="setup"),
                            rep("c", "passed"), rep("c", "failed", when="teardown"),  # an error in teardown
-                           rep("d", "xfailed", scaler="torch_amp", reason="bug X")])
+                           rep("d", "xfailed", scaler="torch_amp", reason="bug X", bug="bug-x")])
     assert sorted((r["outcome"], r["scaler"]) for r in recs) == [
         ("failed", "ours"), ("passed", "ours"), ("skipped", "ours"), ("xfailed", "torch_amp")]
     title, header, rows = report.tables(recs)[0]
     assert header == ["scaler", "single rank"] and rows == [["ours", "1/1/0/1"], ["torch_amp", "0/0/1/0"]]
-    assert report.known_bugs(recs) == [("bug X", 1, ["torch_amp"])]
+    assert report.known_bugs(recs) == [("bug-x", "bug X", 1, ["torch_amp"])]  # named by its KNOWN_BUGS id
+    assert "- 1 x [torch_amp] bug-x: bug X" in report.render(recs, markdown=False)
 
 
 def test_unexpected_outcomes_lead_the_report_whatever_the_exit_status():
@@ -77,7 +77,7 @@ def test_a_failure_in_a_file_without_a_family_makes_the_headline_unexpected(pyte
     pytester.makepyfile(test_zz_new=NEW_FILE)
     pytester.makeini("[pytest]\n")
     monkeypatch.setenv("PYTHONPATH", ROOT)  # the child imports the report plugin from this checkout
-    result = pytester.runpytest_subprocess("-p", "tests.report", "-p", "no:cacheprovider", "-p", "no:xdist",
+    result = pytester.runpytest_subprocess("-p", "tests.options", "-p", "tests.report", "-p", "no:cacheprovider", "-p", "no:xdist",
                                            "--report", "r.md")
     result.assert_outcomes(passed=1, failed=1)
     text = (pytester.path / "r.md").read_text()

@@ -1,18 +1,19 @@
 """Every table that names tests names at least one collected test: a renamed test or param can never
 silently drop a known bug's xfail, a mutant's expectation or a report column.
 
-Checked when the whole built-in suite is collected (no paths given, no --fsdp), before -m/-k
-deselect anything: KNOWN_BUGS (tests/scalers.py; an entry matches a check by its test names and
+Checked against what the main job collects (the suite's testpaths with the built-in scalers and FSDP
+implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS (tests/scalers.py; an entry matches a check by its test names and
 param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
 EXPECTED tests (tests/conformance/mutants.py) and the report's FAMILIES (tests/report.py).
 """
+import os
+
 import pytest
 
 from tests import report
+from tests.child_run import ROOT
 from tests.conformance.mutants import EXPECTED
 from tests.scalers import KNOWN_BUGS
-
-pytestmark = pytest.mark.harness
 
 
 def unmatched(collected) -> list[str]:
@@ -30,10 +31,15 @@ def unmatched(collected) -> list[str]:
     return out
 
 
-def test_every_table_entry_names_a_collected_test(request):
-    collected = request.config.stash.get(report.WHOLE_SUITE, None)
-    if collected is None:
-        pytest.skip("checked only when the whole built-in suite is collected (no paths given, no --fsdp)")
+def test_every_table_entry_names_a_collected_test(request, pytester, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("PYTEST_XDIST") or k == "PYTEST_ADDOPTS"]:
+        monkeypatch.delenv(key)  # a session of its own, not a worker's
+    testpaths = [os.path.join(ROOT, p) for p in request.config.getini("testpaths")]
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider", "-p", "no:xdist", "-c", os.path.join(ROOT, "pytest.ini"),
+                                        "--rootdir", ROOT, *testpaths)
+    collected = [(item.originalname, getattr(getattr(item, "callspec", None), "params", {}), item.path.name)
+                 for item in items]
+    assert len(collected) > 1000, f"collected only {len(collected)} checks from {testpaths}"
     stale = unmatched(collected)
     assert not stale, "table entries that match no collected test:\n" + "\n".join(stale)
 
@@ -46,15 +52,15 @@ def test_a_stale_entry_is_named():
     assert any("FAMILIES 'test_ranks.py'" in line for line in stale) and len(stale) > 20
 
 
-def test_a_reworded_reason_keeps_its_repro_and_an_unknown_id_fails_loudly(monkeypatch):
+def test_a_reworded_reason_keeps_its_repro_and_an_unknown_id_fails_loudly():
     """Repro cases name their bug by its id (@pytest.mark.repro_of), never by words of its reason: rewording
     keeps them working, and an id that names no entry is an error naming it (a usage error at collection)."""
     from tests import scalers
 
-    bug = scalers.KNOWN_BUGS_BY_ID["fairscale-state-dict-after-backoff"]
+    bug = scalers.bug_by_id("fairscale-state-dict-after-backoff")
     reworded = type(bug)(**{**bug.__dict__, "reason": "entirely new words"})
-    monkeypatch.setitem(scalers.KNOWN_BUGS_BY_ID, bug.id, reworded)
-    assert scalers.repro_bug("fairscale_sharded", [bug.id], any_version=True).reason == "entirely new words"
-    assert scalers.repro_bug("ours", [bug.id], any_version=True) is None  # the entry names fairscale's scaler only
+    table = [reworded if b is bug else b for b in scalers.KNOWN_BUGS]  # a table of its own: the real one is untouched
+    assert scalers.repro_bug("fairscale_sharded", [bug.id], any_version=True, bugs=table).reason == "entirely new words"
+    assert scalers.repro_bug("ours", [bug.id], any_version=True, bugs=table) is None  # names fairscale's scaler only
     with pytest.raises(ValueError, match="repro_of\\('no-such-bug'\\): no KNOWN_BUGS entry has that id"):
         scalers.repro_bug("ours", ["no-such-bug"])

@@ -12,7 +12,7 @@ import pytest
 
 from tests.child_run import child_run, outcomes
 
-pytestmark = [pytest.mark.matrix, pytest.mark.slow]
+pytestmark = pytest.mark.slow  # child runs of the matrix: minutes on 2 cores
 
 SLICE = "ws2 and (fsdp1 or fsdp2)"
 MUTANTS = [  # tests/conformance/mutants.py: the defects the matrix's schedule (cell.py) must expose

@@ -10,7 +10,8 @@ A case names the bugs it shows by KNOWN_BUGS id, `@pytest.mark.repro_of("bug-id"
 scaler an entry names (every scaler for an FSDP implementation's bug), the root conftest makes the
 case a strict xfail with the entry's reason, as it does for the conformance and matrix checks (one
 engine, one table); every other scaler, plugged ones included, must not show the bug.
-`placement=` names where the case races (FINDINGS bug 2): a scaler without a bug there is skipped as
+`placement=` names where the case races (the async-copy race, KNOWN_BUGS async-copy-race-busy-gpu): a
+scaler without a bug there is skipped as
 timing-dependent, by the same policy as conformance (tests/scalers.py skip_reason).
 
 A body returns `Outcome(bug, happened, expected)`: whether the bug showed, and both stories in a

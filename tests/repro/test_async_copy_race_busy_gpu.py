@@ -1,6 +1,6 @@
 """CUDA scale + CPU grads + a GPU still busy when step() runs: upstream scalers read CPU copies of
 inv_scale / found_inf before those copies land, so CPU grads are zeroed or an inf is missed
-(FINDINGS bug 2).
+(KNOWN_BUGS async-copy-race-busy-gpu, and fairscale-busy-gpu for fairscale's scaler; docs/bugs.md).
 
 The scalers copy inv_scale / found_inf from the GPU to the CPU with non_blocking=True (into pinned
 memory) and then use the CPU copy at once on the CPU. While the GPU is idle the copy lands in time;
@@ -10,8 +10,9 @@ the next batch's preprocessing would queue) it never does, and:
   - torch's ShardedGradScaler multiplies every CPU grad by the unlanded inv_scale (zeroes them) and
     misses the inf;
   - fairscale's ShardedGradScaler zeroes every CPU grad (it still sees the inf at world size 1).
-A real loop is hit only when GPU work is queued between backward and unscale_/step (FINDINGS: with
-one matmul queued, torch.amp.GradScaler skipped 3 of 20 clean steps under FSDP1 CPU offload).
+A real loop is hit only when GPU work is queued between backward and unscale_/step (measured on an
+H200, torch 2.11: with one matmul queued, torch.amp.GradScaler skipped 3 of 20 clean steps under FSDP1
+CPU offload).
 
 Setup: one rank, the loss and scale on CUDA, the params and grads on CPU (as under FSDP CPU
 offload); 20 trials, each with a new power-of-two scale (a stale copy from the last trial is always

@@ -1,7 +1,7 @@
 """bf16 grads on CUDA crash every scaler that unscales them with
 torch._amp_foreach_non_finite_check_and_unscale_: the op has no CUDA kernel for bf16
 (NotImplementedError: ... not implemented for 'BFloat16'), while its CPU kernel handles bf16
-(FINDINGS bug 5, torch 2.11).
+(KNOWN_BUGS bf16-cuda-unscale-kernel; seen on torch 2.11).
 
 It hits torch.amp.GradScaler, torch's ShardedGradScaler and fairscale's ShardedGradScaler alike. In
 real training bf16 grads on the GPU come from e.g. fairscale FSDP with mixed_precision=True,

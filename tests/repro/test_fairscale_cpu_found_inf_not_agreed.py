@@ -1,6 +1,6 @@
 """fairscale ShardedGradScaler never agrees on an inf found in CPU grads: with CPU-offloaded grads and
 an inf on rank 1 only, rank 0 steps and keeps its scale while rank 1 skips and backs off, so the
-ranks' params and scales diverge (FINDINGS bug 1).
+ranks' params and scales diverge (KNOWN_BUGS fairscale-cpu-found-inf-not-agreed, docs/bugs.md).
 
 In ShardedGradScaler.unscale_ (fairscale 0.4.13) a CPU found_inf is all-reduced on a CUDA copy
 whose result is thrown away:
@@ -54,7 +54,7 @@ def inf_on_rank1(scaler):
 @needs_cuda
 # torch.amp.GradScaler has no cross-rank agreement at all (it relies on DDP's all-reduced grads). torch's
 # ShardedGradScaler does agree here, but with CPU grads and a CUDA scale (placement "offload") its outcome
-# depends on FINDINGS bug 2's async-copy race (test_async_copy_race_busy_gpu.py): neither a pass nor a
+# depends on the async-copy race (async-copy-race-busy-gpu, test_async_copy_race_busy_gpu.py): neither a pass nor a
 # strict xfail, so the pytest case skips it (the script still prints what it did)
 @pytest.mark.repro_of("fairscale-cpu-found-inf-not-agreed", "torch-amp-not-shard-aware", placement="offload")
 def test_inf_on_rank1_with_cpu_grads(scaler):

@@ -3,10 +3,10 @@ flatten_parameters=False) without CPU offload, at world size 1, leaves fp16 grad
 params, so a foreach SGD step raises "Tensors of the same index must be on the same device and the
 same dtype" (and torch.amp.GradScaler already refuses them: "Attempting to unscale FP16 gradients.").
 
-Every scaler hits it, because the optimizer, not the scaler, rejects the grads. fairscale 0.4.13 on
-one GPU (FINDINGS): the same configuration trains with cpu_offload=True or with
-flatten_parameters=True. Found by the FSDP-vs-DDP matrix and a
-sweep of 24 fairscale FSDP configurations at world size 1.
+Every scaler hits it, because the optimizer, not the scaler, rejects the grads (KNOWN_BUGS
+fairscale-fsdp-mixed-precision-grads). fairscale 0.4.13 on one H200: the same configuration trains with
+cpu_offload=True or with flatten_parameters=True. Found by the FSDP-vs-DDP matrix and a sweep of 24
+fairscale FSDP configurations at world size 1.
 
 Setup: one rank (NCCL), a 2-layer MLP on CUDA wrapped as above (compute_dtype fp16), SGD with
 momentum (foreach on CUDA), one clean scaled step. The grads must be fp32 like their params and the

@@ -1,4 +1,4 @@
-"""The two crashes of fairscale issue #421 (the seed: fairscale's ShardedGradScaler, torch 1.8), and what fixed each.
+"""The two crashes of fairscale issue #421 (fairscale's ShardedGradScaler, torch 1.8), and what fixed each.
 
 (a) With CPU-offloaded grads, scaler.step() -> unscale_ -> torch._amp_foreach_non_finite_check_and_unscale_
     raised "RuntimeError: Could not run 'aten::_amp_foreach_non_finite_check_and_unscale_' with
@@ -58,7 +58,7 @@ FIXED_B = {
 def op_on_cpu_grads(_scaler=None):
     grads = [torch.tensor([2.0, 4.0, 8.0]), torch.tensor([16.0, math.inf, 1.0])]  # fp32 CPU grads, one inf
     found_inf, inv_scale = torch.zeros(()), torch.full((), 0.25)
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # the seed's crash (a)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # issue #421's crash (a)
     want = [torch.tensor([0.5, 1.0, 2.0]), torch.tensor([4.0, math.inf, 0.25])]
     unscaled = all(torch.equal(g, w) for g, w in zip(grads, want))
     return Outcome(found_inf.item() != 1.0 or not unscaled,
@@ -72,7 +72,7 @@ def _cpu_grads_steps(scaler):
     opt = torch.optim.SGD([w], lr=0.5)
     s = make_scaler(scaler, device="cpu", init_scale=256.0)
     s.scale((w * c).sum()).backward()
-    s.unscale_(opt)  # clean step: the seed crashed in here, unscaling CPU grads
+    s.unscale_(opt)  # clean step: issue #421 crashed in here, unscaling CPU grads
     exact = torch.equal(w.grad, c)
     before = w.detach().clone()
     s.step(opt)
@@ -103,9 +103,9 @@ def _cpu_loss_step(scaler):
     w = torch.nn.Parameter(torch.tensor([0.5, -0.25, 1.0]))  # a CPU param and grad, as under cpu_offload
     c = torch.tensor([0.25, 0.5, -1.0], device=gpu)
     opt = torch.optim.SGD([w], lr=0.5)
-    s = make_scaler(scaler, device="cuda", init_scale=256.0)  # a CUDA scaler, as in the seed
+    s = make_scaler(scaler, device="cuda", init_scale=256.0)  # a CUDA scaler, as in issue #421
     loss = (w.to(gpu) * c).sum().to("cpu")  # computed on the GPU, moved to the params' device
-    scaled = s.scale(loss)  # the seed's crash (b): assert outputs.is_cuda
+    scaled = s.scale(loss)  # issue #421's crash (b): assert outputs.is_cuda
     scaled.backward()
     before = w.detach().clone()
     s.step(opt)
@@ -140,13 +140,13 @@ def test_cuda_scaler_takes_a_cpu_loss(scaler):
 
 if __name__ == "__main__":
     op = run(op_on_cpu_grads, None)
-    print("Seed crash (a): torch._amp_foreach_non_finite_check_and_unscale_ on fp32 CPU grads, one inf")
+    print("fairscale#421 crash (a): torch._amp_foreach_non_finite_check_and_unscale_ on fp32 CPU grads, one inf")
     print(f"{'the op itself':18s} {'BUG' if op.bug else 'ok'}: {op.happened}")
     if op.bug:
         print(f"{'':18s} should have: {op.expected}")
     main(unscale_cpu_grads, test_cpu_grads_unscaled_and_checked,
-         "\nSeed crash (a) through each scaler: CPU grads and scale, a clean step, "
+         "\nfairscale#421 crash (a) through each scaler: CPU grads and scale, a clean step, "
                                       "then an inf step")
     main(scale_cpu_loss, test_cuda_scaler_takes_a_cpu_loss,
-         "\nSeed crash (b): a CUDA scaler's scale() given the loss moved to CPU "
+         "\nfairscale#421 crash (b): a CUDA scaler's scale() given the loss moved to CPU "
                                    "(needs a GPU)")

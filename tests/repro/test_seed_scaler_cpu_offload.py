@@ -1,4 +1,4 @@
-"""The seed (fairscale issue #421): FSDP cpu_offload + mixed precision + a grad scaler, on one GPU.
+"""fairscale issue #421: FSDP cpu_offload + mixed precision + a grad scaler, on one GPU.
 
 The thread's two repros, as written there, with only APIs renamed since (torch.cuda.amp.autocast ->
 torch.autocast("cuda")) and the scaler under test in place of `ShardedGradScaler()` (built with the
@@ -14,15 +14,16 @@ world size 1, one GPU).
    2021 scale() failed `assert outputs.is_cuda`. The thread's test module is replaced by
    nn.Linear(5, 5) with the interface the function calls (get_input, get_loss, run_backward).
 
-Both pass today (FINDINGS.md: torch.amp.GradScaler("cuda"), fairscale's and torch's ShardedGradScaler
-at world size 1): no exception, a finite loss, every step applied. See test_seed_historical_crashes.py
-for what fixed each crash. Timing note: in repro 1 the scale is on the GPU and the grads on CPU, and
-the upstream scalers copy inv_scale/found_inf between them with non_blocking=True and use the copy
-before it has surely landed (FINDINGS bug 2). With the GPU idle at step(), as here (fairscale's
-backward ends by synchronizing its grad copies), FINDINGS measured 0 misses in 20, but the suite
-treats such cells as timing-dependent (tests/scalers.py skip_reason), so for those scalers repro 1
-checks only what the seed's crash was about: no exception and a finite loss (tests/conformance/
-test_busy_gpu.py checks the race on purpose). Needs one GPU; skips without one.
+Both pass today (checked on an H200, torch 2.11: torch.amp.GradScaler("cuda"), fairscale's and torch's
+ShardedGradScaler at world size 1): no exception, a finite loss, every step applied. See
+test_seed_historical_crashes.py for what fixed each crash. Timing note: in repro 1 the scale is on the
+GPU and the grads on CPU, and the upstream scalers copy inv_scale/found_inf between them with
+non_blocking=True and use the copy before it has surely landed (the async-copy race, KNOWN_BUGS
+async-copy-race-busy-gpu). With the GPU idle at step(), as here (fairscale's backward ends by
+synchronizing its grad copies), 0 of 20 trials missed on the H200, but the suite treats such cells as
+timing-dependent (tests/scalers.py skip_reason), so for those scalers repro 1 checks only what the
+issue's crash was about: no exception and a finite loss (tests/conformance/test_busy_gpu.py checks the
+race on purpose). Needs one GPU; skips without one.
 
     python tests/repro/test_seed_scaler_cpu_offload.py
 """
@@ -42,7 +43,7 @@ from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
 from tests.scalers import make_scaler, skip_reason  # noqa: E402
 
 pytestmark = pytest.mark.repro
-# both seed repros pass with every built-in scaler today
+# both repros of fairscale issue #421 pass with every built-in scaler today
 
 
 def _seed_scaler(spec):
@@ -161,9 +162,10 @@ def _seed_training(spec, num_steps):
 def _outcome(out, steps, timing_dependent=False):
     finite, applied = math.isfinite(out["loss"]), out["applied"] == [True] * steps
     story = f"{out['where']}: loss {out['loss']:.6g}, steps applied {out['applied']}, scale {out['scale']:g}"
-    if timing_dependent:  # only the seed's crash is checked: no exception and a finite loss
+    if timing_dependent:  # only the issue's crash is checked: no exception and a finite loss
         return Outcome(not finite, f"{story} (whether the step applied is not checked for this scaler: CUDA "
-                                   f"scale + CPU grads is timing-dependent, FINDINGS bug 2)",
+                                   f"scale + CPU grads is timing-dependent: the async-copy race, "
+                                   f"async-copy-race-busy-gpu)",
                        "no exception, a finite loss")
     return Outcome(not (finite and applied), story,
                    f"no exception, a finite loss, every step applied: {[True] * steps}")
@@ -193,8 +195,8 @@ def test_train_for_several_steps_loss_on_model_device(scaler):
 
 if __name__ == "__main__":
     main(scaler_cpu_offload, test_scaler_cpu_offload,
-         "Seed repro 1: test_scaler_cpu_offload (fairscale FSDP cpu_offload + mixed "
+         "fairscale#421 repro 1: test_scaler_cpu_offload (fairscale FSDP cpu_offload + mixed "
                                    "precision, loss on the GPU; needs a GPU)")
     main(train_for_several_steps, test_train_for_several_steps_loss_on_model_device,
-         "\nSeed repro 2: _train_for_several_steps, loss.to(model_device) (CPU), "
+         "\nfairscale#421 repro 2: _train_for_several_steps, loss.to(model_device) (CPU), "
                                         "2 steps (needs a GPU)")

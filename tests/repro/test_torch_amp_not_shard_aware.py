@@ -25,7 +25,8 @@ from tests.repro.common import Outcome, check, main  # noqa: E402
 from tests.scalers import make_scaler  # noqa: E402
 
 pytestmark = pytest.mark.repro
-# fairscale's scaler: disabled without CUDA; with CUDA, FINDINGS bug 1 (its CPU found_inf is never agreed)
+# fairscale's scaler: disabled without CUDA; with CUDA, fairscale-cpu-found-inf-not-agreed (its CPU found_inf
+# is never agreed)
 
 
 def _inf_on_rank1(scaler):

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.harness import run_on_ranks
-from tests.harness.ranks import _pools, context_budget
+from tests.harness import session
 
 
 def _rank():
@@ -17,5 +17,5 @@ def _rank():
 @pytest.mark.parametrize("world_size, device", [(4, "cuda-shared"), (2, "cuda-shared"), (1, "cuda")])
 def test_pools_take_turns_within_the_budget(world_size, device, i):
     assert run_on_ranks(_rank, world_size=world_size, device=device) == list(range(world_size))
-    held = sum(len(p.slots) for p in _pools.values())
-    assert held <= context_budget(0) == int(os.environ["FSDP_AMP_GPU_CONTEXTS"])
+    held = sum(len(p.slots) for p in session().pools.values())
+    assert held <= session().budget(0) == int(os.environ["FSDP_AMP_GPU_CONTEXTS"])

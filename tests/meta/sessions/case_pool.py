@@ -5,7 +5,7 @@ import time
 import torch.distributed as dist
 
 from tests.harness import run_on_ranks
-from tests.harness.ranks import _pools
+from tests.harness import session
 
 
 def _pid_and_rank():
@@ -19,7 +19,7 @@ def _report(tag):
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(os.environ["CASE_OUT_DIR"], f"{tag}.txt"), "w") as f:
         f.write(f"{worker} {os.getpid()} {' '.join(str(pid) for pid, _ in out)}\n")
-    assert len(_pools) == 1
+    assert len(session().pools) == 1
 
 
 def test_a():
