@@ -2,10 +2,13 @@
 
 A tiny consumer project is written to a temporary directory outside this repo, with its own scaler
 module; from its directory it runs this suite (as a git submodule checkout would sit there) with
-`--scaler their_pkg.scalers:<factory>`. A correct scaler gets a green run; a broken one a red run
-that names the failed checks.
+`--scaler their_pkg.scalers:<factory>`. A correct scaler gets a green run of the README's command as
+written (no -k), which collects none of the suite's own tests; a broken one a red run that names the
+failed checks, and its known failures go in an --xfails-file (on a slice, for time).
 """
 import json
+import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -38,6 +41,15 @@ THEIR_SCALERS = textwrap.dedent('''
         return TheirBrokenScaler(**kwargs)
 ''')
 SLICE = "test_inf_on_some_ranks_makes_every_rank_skip_and_back_off or test_clean_step or (ws2 and fsdp2 and fp16)"
+ADOPTION = 'python -m pytest path/to/suite -n auto -m "conformance or matrix" --scaler your_pkg.module:factory'
+
+
+def readme_command(factory: str) -> list:
+    """The README's adoption command, word for word, for this suite and their factory."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert ADOPTION in f.read(), f"the README no longer gives the adoption command {ADOPTION!r}: update this test"
+    words = {"python": sys.executable, "path/to/suite": ROOT, "your_pkg.module:factory": f"their_pkg.scalers:{factory}"}
+    return [words.get(w, w) for w in shlex.split(ADOPTION)]
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +76,26 @@ def broken_run(consumer):
     return proc, sorted(r["nodeid"] for r in records if r["outcome"] == "failed")
 
 
-def test_their_correct_scaler_gets_a_green_run(consumer):
-    proc = run_suite(consumer, "good")
+def test_their_correct_scaler_gets_a_green_run_of_the_readme_command(consumer):
+    proc = subprocess.run(readme_command("good"), cwd=consumer, env=clean_env(), capture_output=True, text=True,
+                          timeout=1800)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     assert "All as expected" in proc.stdout and " passed" in proc.stdout
+    assert "test_fsdp_matches_ddp" in proc.stdout or "FSDP-vs-DDP matrix" in proc.stdout, "the matrix did not run"
+    assert "tests/meta" not in proc.stdout and "test_mutants" not in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_readme_command_collects_none_of_the_suites_own_tests(consumer):
+    """Collected, not only selected: without -m, the adoption command's collection holds no test of tests/meta."""
+    words = readme_command("good")
+    for option in ("-m", "-n"):  # every test it collects (no marker selection), listed by one process
+        at = words.index(option, words.index("pytest"))
+        del words[at:at + 2]
+    command = words + ["--co", "-q", "-p", "no:xdist"]
+    proc = subprocess.run(command, cwd=consumer, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert ids and not [i for i in ids if "tests/meta/" in i], [i for i in ids if "tests/meta/" in i][:5]
 
 
 def test_their_broken_scaler_gets_a_red_run_naming_the_failed_checks(broken_run):
