@@ -5,6 +5,7 @@ defects fail and the controls pass, in the same run. The child writes its report
 (--report-json): each record names its test function, scaler spec and FSDP implementation, so nothing
 here parses a test id back.
 """
+import fcntl
 import json
 import os
 import subprocess
@@ -40,6 +41,21 @@ def child_run(out, paths: list, selection: str, scalers=(), fsdps=(), marker="no
     assert proc.returncode in (0, 1), proc.stdout[-5000:] + proc.stderr[-5000:]
     with open(out) as f:
         return json.load(f)["records"]
+
+
+def child_run_once(tmp_path_factory, name: str, paths: list, selection: str, **kwargs) -> list[dict]:
+    """child_run, once per pytest run: the module fixture of every xdist worker that draws one of its tests asks
+    for it, and the first one runs it while the others wait on a file lock and read its records (xdist's advice
+    for a fixture that must run once). Without this, two workers each ran the same minutes-long child run."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's directory, not the worker's
+    out = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_file() and out.stat().st_size:
+            with open(out) as f:
+                return json.load(f)["records"]
+        return child_run(out, paths, selection, **kwargs)
 
 
 def outcomes(records: list[dict], **match) -> list[str]:

@@ -405,10 +405,11 @@ def repro_bug(spec: str, bug_ids, any_version: bool = False, bugs=None) -> Known
     return None
 
 
-def known_bug(spec: str, test_name: str, params: dict, cuda: bool, any_version: bool = False) -> KnownBug | None:
+def known_bug(spec: str, test_name: str, params: dict, cuda: bool, any_version: bool = False,
+              bugs=None) -> KnownBug | None:
     """The known bug this test id hits: a built-in scaler's, or (any scaler) a built-in FSDP's.
     Only a bug in force on the installed versions, unless any_version (the report's "fixed" column)."""
-    for bug in KNOWN_BUGS:
+    for bug in KNOWN_BUGS if bugs is None else bugs:
         applies = bug.scalers is None or (spec in BUILTINS and spec in bug.scalers)
         if applies and bug.matches(test_name, params, cuda) and (any_version or bug.in_force):
             return bug

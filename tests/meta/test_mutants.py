@@ -5,34 +5,34 @@ the per-test outcomes from its report records (--report-json). `ours` itself is 
 """
 import pytest
 
-from tests.child_run import child_run
+from tests.child_run import child_run_once
 from tests.conformance.mutants import EXPECTED
 from tests.scalers import SEQUENCES
 
-pytestmark = pytest.mark.slow  # child runs of the suite: minutes on 2 cores
+pytestmark = pytest.mark.slow  # child runs of the suite: minutes on 2 cores, once per run (child_run_once)
 HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"
 
 
-def _child_run(out, specs, selection, extra=()):
+def _child_run(tmp_path_factory, name, specs, selection, extra=()):
     """The conformance suite in a child pytest against specs; returns {(spec, test): [outcomes]}."""
     result = {}
-    for rec in child_run(out, ["tests/conformance"], selection, scalers=specs, extra=extra):
+    for rec in child_run_once(tmp_path_factory, name, ["tests/conformance"], selection, scalers=specs, extra=extra):
         result.setdefault((rec["scaler"], rec["test"]), []).append(rec["outcome"])
     return result
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mutants")
     specs = ["ours"] + [f"tests.conformance.mutants:{name}" for name in EXPECTED]
-    result = _child_run(tmp / "all.json", specs, f"not {HANG_TEST} and not {SEQUENCES}")
+    result = _child_run(tmp_path_factory, "mutants-all", specs, f"not {HANG_TEST} and not {SEQUENCES}")
     # the hang check costs its 15 s timeout per scaler: run it only where a mutant expects it
     hang_specs = ["ours"] + [f"tests.conformance.mutants:{n}" for n, tests in EXPECTED.items() if HANG_TEST in tests]
-    result.update(_child_run(tmp / "hang.json", hang_specs, HANG_TEST))
+    result.update(_child_run(tmp_path_factory, "mutants-hang", hang_specs, HANG_TEST))
     # the sequence test runs its whole example budget on every scaler it does not catch: only where expected,
     # and unshrunk (a caught mutant need only fail; its readable sequence is test_sequences.py's own business)
     seq_specs = ["ours"] + [f"tests.conformance.mutants:{n}" for n, tests in EXPECTED.items() if SEQUENCES in tests]
-    result.update(_child_run(tmp / "sequences.json", seq_specs, SEQUENCES, extra=["--hypothesis-profile=no-shrink"]))
+    result.update(_child_run(tmp_path_factory, "mutants-sequences", seq_specs, SEQUENCES,
+                             extra=["--hypothesis-profile=no-shrink"]))
     return result
 
 

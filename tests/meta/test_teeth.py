@@ -10,9 +10,9 @@ multi-chunk grads expose, which the small model's cells cannot.
 """
 import pytest
 
-from tests.child_run import child_run, outcomes
+from tests.child_run import child_run_once, outcomes
 
-pytestmark = pytest.mark.slow  # child runs of the matrix: minutes on 2 cores
+pytestmark = pytest.mark.slow  # child runs of the matrix: minutes on 2 cores, once per run (child_run_once)
 
 SLICE = "ws2 and (fsdp1 or fsdp2)"
 MUTANTS = [  # tests/conformance/mutants.py: the defects the matrix's schedule (cell.py) must expose
@@ -48,7 +48,7 @@ BROKEN = ["fsdp1_sums_grads"]  # reduces by SUM, no 1/world_size average
 @pytest.fixture(scope="module")
 def scalers(tmp_path_factory):
     specs = ["ours"] + [f"tests.conformance.mutants:{m}" for m in MUTANTS]
-    return child_run(tmp_path_factory.mktemp("teeth") / "scalers.json", ["tests/matrix/test_matrix.py"], SLICE,
+    return child_run_once(tmp_path_factory, "teeth-scalers", ["tests/matrix/test_matrix.py"], SLICE,
                      scalers=specs, marker="matrix")
 
 
@@ -56,14 +56,14 @@ def scalers(tmp_path_factory):
 def wide(tmp_path_factory):
     specs = ["ours"] + [f"tests.conformance.mutants:{m}" for m in WIDE_MUTANTS]
     # world size 1: the cheapest wide cells (~3x a small one) expose both; the others run in the matrix itself
-    return child_run(tmp_path_factory.mktemp("teeth") / "wide.json", ["tests/matrix/test_matrix.py"], "wide and ws1",
+    return child_run_once(tmp_path_factory, "teeth-wide", ["tests/matrix/test_matrix.py"], "wide and ws1",
                      scalers=specs, marker="matrix")
 
 
 @pytest.fixture(scope="module")
 def wrappers(tmp_path_factory):
     fsdps = [f"{WRAPPERS}:fsdp1", f"{WRAPPERS}:fsdp2"] + [f"{PLANTED}:{b}" for b in BROKEN]
-    return child_run(tmp_path_factory.mktemp("teeth") / "wrappers.json", ["tests/matrix/test_matrix.py"], "ws2",
+    return child_run_once(tmp_path_factory, "teeth-wrappers", ["tests/matrix/test_matrix.py"], "ws2",
                      scalers=["ours"], fsdps=fsdps, marker="matrix")
 
 
