@@ -173,7 +173,7 @@ def known_bugs(recs: list[dict]) -> list[tuple[str, str, int, list[str]]]:
     by = collections.defaultdict(list)
     for r in recs:
         if r["outcome"] == "xfailed":
-            bug = r.get("bug") or ("xfails-file" if r.get("xfails_file") else "-")
+            bug = r.get("bug") or ("xfails-file" if r.get("xfails_file") else "the test's own xfail")
             by[bug, r["reason"] or "(no reason)"].append(r.get("scaler") or "-")
     return sorted(((bug, reason, len(s), sorted(set(s), key=_scaler_order)) for (bug, reason), s in by.items()),
                   key=lambda t: (-t[2], t[0]))

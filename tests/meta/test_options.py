@@ -85,10 +85,9 @@ def _run(cwd, where, *args, existing: bool = True):
 def _assert_ran_and_reported(proc, where, xfails: bool = True):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     records = json.loads((where / "r.json").read_text())["records"]
-    ran = {(r["test"], r["scaler"], r["outcome"]) for r in records}
-    assert ran == {("test_scale_multiplies_tensors_and_keeps_structure", "ours", "passed"),
-                   ("test_scale_multiplies_tensors_and_keeps_structure", "ours", "skipped")} - \
-        ({("test_scale_multiplies_tensors_and_keeps_structure", "ours", "skipped")} if len(records) == 1 else set()), \
+    ran = {(r["test"], r["scaler"], r["outcome"]) for r in records}  # skipped: placements this machine lacks
+    assert ("test_scale_multiplies_tensors_and_keeps_structure", "ours", "passed") in ran and ran <= {
+        ("test_scale_multiplies_tensors_and_keeps_structure", "ours", outcome) for outcome in ("passed", "skipped")}, \
         records
     report = (where / "r.md").read_text()
     assert report.startswith("**All as expected"), report[-3000:]
