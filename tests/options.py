@@ -1,12 +1,12 @@
 """The suite's command-line options, as a plugin pytest loads before it reads the command line.
 
-pytest.ini names this module in addopts (`-p tests.options`), so the options are known to pytest's
-first look at the arguments: `--report PATH` and `--report=PATH` mean the same, and an existing PATH
-after an option is never taken for a test path. (Registered by a conftest, they were known only after
-that look: pytest then took such a PATH for a test path, loaded conftests from there and not from this
-suite, and every xdist worker died on "unrecognized arguments".) The root conftest also names this
-plugin, for a run that reaches the suite's conftest without its pytest.ini; it then stops the run with a
-usage error that says why and how to run it (check_configuration).
+pytest.ini names this module in addopts (`-p tests.options`), and the root conftest names it too, so the
+options are registered before pytest picks the initial conftests: a PATH after an option is its value,
+not a place to load conftests from. The xdist workers' crash ("unrecognized arguments: --report") had
+another cause: a worker reads the command line as typed before any plugin is loaded, and by then
+--report had created its file, so `--report PATH` read as a test path. pytest_configure below hands the
+workers the `--opt=VALUE` form. A run that reaches the suite's conftest without its pytest.ini stops
+with a usage error that says why and how to run it (check_configuration, called by the root conftest).
 
 One case no plugin can reach (pytest#6904): before pytest loads any plugin it looks for its configuration
 around the paths on the command line, and there `--report /existing/file` is an unknown option and a
