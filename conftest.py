@@ -13,7 +13,7 @@ from hypothesis import Phase, settings
 from tests import options, xfails
 from tests.harness import ranks
 from tests.matrix import implementations
-from tests.scalers import BUILTINS, known_bug, repro_bug, resolve, skip_reason
+from tests.scalers import BUILTINS, known_bug, repro_bug, resolve, skip_reason, spec_id
 
 # the suite's options (also named by pytest.ini's addopts, so that pytest knows them before it reads the command
 # line: tests/options.py says why), the compatibility report at the end of every run, child runs
@@ -68,7 +68,7 @@ def pytest_configure(config):
 def pytest_generate_tests(metafunc):
     if "scaler" in metafunc.fixturenames:
         specs = scaler_specs(metafunc.config)
-        metafunc.parametrize("scaler", specs, ids=[s.replace(":", "-") for s in specs])
+        metafunc.parametrize("scaler", specs, ids=[spec_id(s) for s in specs])
 
 
 META = ROOT / "tests" / "meta"

@@ -14,15 +14,20 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _parent_session(key: str) -> bool:
+    """A variable of the parent pytest session (its xdist worker, its addopts), which a child must not inherit."""
+    return key.startswith("PYTEST_XDIST") or key == "PYTEST_ADDOPTS"
+
+
 def clean_env() -> dict:
-    """This environment minus what the parent pytest-xdist set: a child pytest starts its own session."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != "PYTEST_ADDOPTS"}
+    """This environment minus what the parent session set: a child pytest starts its own session."""
+    return {k: v for k, v in os.environ.items() if not _parent_session(k)}
 
 
 def runpytest(pytester, monkeypatch, *args, timeout: float = 600):
     """pytest's own pytester (RunResult: .ret, .outlines, .errlines, assert_outcomes) on this suite's files
     (absolute paths under ROOT: its pytest.ini and conftest apply), in a child process of its own session."""
-    for key in [k for k in os.environ if k.startswith("PYTEST_XDIST") or k == "PYTEST_ADDOPTS"]:
+    for key in [k for k in os.environ if _parent_session(k)]:
         monkeypatch.delenv(key)
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
 

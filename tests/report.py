@@ -3,8 +3,9 @@
 
 Built on pytest's own reports: every item carries its scaler, FSDP implementation, check family and
 known bug as user_properties (set at collection, carried by xdist to the controller), and
-pytest_terminal_summary counts the reports pytest already collected. EVERY collected test counts:
-scaler checks by scaler x family (a test file without a named family is a family of its own), the
+pytest_terminal_summary counts the reports pytest already collected, as Records (tests/records.py, the type
+--report-json and the version table share). EVERY collected test counts: scaler checks by scaler x the column
+their module declares (REPORT_COLUMN; a module without one is a column of its own, named by its file), the
 matrix by (implementation, scaler) x (precision, offload), every other test by its file, and a
 collection error as a failure. The headline can never disagree with pytest's exit status. Cells
 read `passed/failed/xfailed/skipped`; the known-bug reasons (xfails) are listed once under the tables.
@@ -18,17 +19,12 @@ import os
 import pytest
 
 from tests import versions, xfails
+from tests.records import OUTCOMES, Bug, Cell, Record, Report, Unmatched, heading, table
 from tests.scalers import BUILTINS, KNOWN_BUGS
 
-FAMILIES = {  # test file -> the column it counts in
-    "test_single_process.py": "single rank",
-    "test_ranks.py": "across ranks",
-    "test_busy_gpu.py": "busy GPU",
-    "test_fsdp2.py": "FSDP2",
-    "test_sizes.py": "model sizes",
-    "test_sequences.py": "sequences",
-}
-OUTCOMES = ("passed", "failed", "xfailed", "skipped")
+# the order of the scaler checks' columns (each named by its module's REPORT_COLUMN; "repro": tests/repro);
+# a column not named here comes after these, by name
+COLUMNS = ("single rank", "across ranks", "busy GPU", "FSDP2", "model sizes", "sequences", "repro")
 
 
 def pytest_configure(config):
@@ -51,22 +47,29 @@ def pytest_collection_modifyitems(items):
         label(item)
 
 
+def column(item) -> str:
+    """The report column of a scaler check: "repro" for a repro case, else its module's REPORT_COLUMN, else
+    its file's name."""
+    if item.path.parent.name == "repro":
+        return "repro"
+    return getattr(getattr(item, "module", None), "REPORT_COLUMN", None) or item.path.name
+
+
 def label(item) -> None:
-    """A check's identity, built once at collection from pytest's own data (the test function, its file, its
-    params): the test, the scaler spec, the FSDP implementation of a matrix cell, the report's family.
-    Carried as user_properties (xdist takes them to the controller), so the report, --report-json and the
-    child runs of the meta-tests (tests/child_run.py) read them as data; nothing parses a test id back."""
+    """A check's identity, built once at collection from pytest's own data (the test function, its module, its
+    params): the fields of its Record but the outcome (tests/records.py). Carried as user_properties of plain
+    values (xdist takes them to the controller), so the report, --report-json and the child runs of the
+    meta-tests (tests/child_run.py) read them as data; nothing parses a test id back."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    name = item.path.name
     cell = params.get("cell")
-    props = [("test", item.originalname)]
+    props = [("test", item.originalname), ("function", f"{item.parent.nodeid}::{item.originalname}")]
     if "scaler" in params and cell is not None:
-        props += [("scaler", params["scaler"]), ("impl", cell.impl), ("family", f"{cell.precision} {cell.offload}")]
+        props += [("scaler", params["scaler"]), ("impl", cell.impl),
+                  ("family", Cell(cell.precision, cell.offload).as_data())]
     elif "scaler" in params:
-        family = "repro" if item.path.parent.name == "repro" else FAMILIES.get(name, name)
-        props += [("scaler", params["scaler"]), ("family", family)]
+        props += [("scaler", params["scaler"]), ("family", column(item))]
     else:
-        props += [("family", name)]
+        props += [("family", item.path.name)]
     item.user_properties += props
 
 
@@ -80,59 +83,59 @@ def _outcome(report) -> str | None:
     return "passed" if report.when == "call" else None
 
 
-def records(reports) -> list[dict]:
-    """One record per test id (and per module that failed to collect): its properties, its outcome,
+def records(reports) -> list[Record]:
+    """One Record per test id (and per module that failed to collect): its properties, its worst outcome,
     and the xfail reason if any."""
-    out: dict[str, dict] = {}
+    props: dict[str, dict] = {}
+    worst: dict[str, tuple] = {}
     rank = {None: -1, "passed": 0, "skipped": 1, "xfailed": 2, "failed": 3}
     for rep in reports:
         # a CollectReport stands for a module that failed to collect or skipped itself whole
         outcome = _outcome(rep) if hasattr(rep, "when") else "failed" if rep.failed else "skipped" if rep.skipped else None
         if outcome is None:
             continue
-        props = dict(getattr(rep, "user_properties", ()))
-        props.setdefault("family", os.path.basename(rep.nodeid.split("::")[0]) or rep.nodeid)
-        rec = out.setdefault(rep.nodeid, dict(props, nodeid=rep.nodeid, outcome=None, reason=None))
-        if rank[outcome] > rank[rec["outcome"]]:
-            rec["outcome"] = outcome
-            rec["reason"] = getattr(rep, "wasxfail", None) if outcome == "xfailed" else None
-    return list(out.values())
+        # a collect report has no properties: its family is its file
+        props.setdefault(rep.nodeid, {"family": os.path.basename(rep.fspath) or rep.nodeid,
+                                      **dict(getattr(rep, "user_properties", ()))})
+        if rank[outcome] > rank[worst.get(rep.nodeid, (None,))[0]]:
+            worst[rep.nodeid] = (outcome, getattr(rep, "wasxfail", None) if outcome == "xfailed" else None)
+    return [Record.from_data(dict(p, nodeid=nodeid, outcome=worst[nodeid][0], reason=worst[nodeid][1]))
+            for nodeid, p in props.items()]
 
 
 def _cell(counts) -> str:
     return "/".join(str(counts[o]) for o in OUTCOMES) if sum(counts.values()) else ""
 
 
-def tables(recs: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+def tables(recs: list[Record]) -> list[tuple[str, list[str], list[list[str]]]]:
     """[(title, header, rows)] for the suites present in recs."""
     out = []
-    # .get, not "in": the JSON records (--report-json) hold every key, null where absent
-    suite = [r for r in recs if r.get("scaler") and not r.get("impl")]
+    suite = [r for r in recs if r.scaler and not r.impl]
     if suite:
-        named = list(FAMILIES.values()) + ["repro"]
-        present = {r["family"] for r in suite}
-        fams = [f for f in named if f in present] + sorted(present - set(named))
-        scalers = sorted({r["scaler"] for r in suite}, key=_scaler_order)
+        present = {r.family for r in suite}
+        fams = [f for f in COLUMNS if f in present] + sorted(present - set(COLUMNS))
+        scalers = sorted({r.scaler for r in suite}, key=_scaler_order)
         counts = collections.defaultdict(collections.Counter)
         for r in suite:
-            counts[r["scaler"], r["family"]][r["outcome"]] += 1
+            counts[r.scaler, r.family][r.outcome] += 1
         out.append(("conformance and repro", ["scaler"] + fams,
                     [[s] + [_cell(counts[s, f]) for f in fams] for s in scalers]))
-    matrix = [r for r in recs if r.get("impl")]
+    matrix = [r for r in recs if r.impl]
     if matrix:
-        fams = [f"{p} {o}" for o in ("nooffload", "offload") for p in ("fp32", "fp16", "bf16")
-                if any(r["family"] == f"{p} {o}" for r in matrix)]
-        rows = sorted({(r["impl"], r["scaler"]) for r in matrix}, key=lambda k: (k[0], _scaler_order(k[1])))
+        present = {r.family for r in matrix}
+        fams = [c for o in ("nooffload", "offload") for p in ("fp32", "fp16", "bf16")
+                for c in [Cell(p, o)] if c in present]
+        rows = sorted({(r.impl, r.scaler) for r in matrix}, key=lambda k: (k[0], _scaler_order(k[1])))
         counts = collections.defaultdict(collections.Counter)
         for r in matrix:
-            counts[r["impl"], r["scaler"], r["family"]][r["outcome"]] += 1
-        out.append(("FSDP-vs-DDP matrix", ["implementation", "scaler"] + fams,
+            counts[r.impl, r.scaler, r.family][r.outcome] += 1
+        out.append(("FSDP-vs-DDP matrix", ["implementation", "scaler"] + [str(f) for f in fams],
                     [[i, s] + [_cell(counts[i, s, f]) for f in fams] for i, s in rows]))
-    rest = [r for r in recs if not r.get("scaler")]
+    rest = [r for r in recs if not r.scaler]
     if rest:
         counts = collections.defaultdict(collections.Counter)
         for r in rest:
-            counts[r["family"]][r["outcome"]] += 1
+            counts[r.family][r.outcome] += 1
         out.append(("the suite's own tests and the rest, by file", ["file", "checks"],
                     [[f, _cell(counts[f])] for f in sorted(counts)]))
     return out
@@ -147,9 +150,9 @@ EXIT_MEANINGS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "u
                  5: "no tests collected"}
 
 
-def headline(recs: list[dict], exitstatus: int = 0) -> str:
+def headline(recs: list[Record], exitstatus: int = 0) -> str:
     """The first line: UNEXPECTED whenever anything failed or pytest itself exits non-zero."""
-    total = collections.Counter(r["outcome"] for r in recs)
+    total = collections.Counter(r.outcome for r in recs)
     counts = ", ".join(f"{total[o]} {o}" for o in OUTCOMES) + " (every collected test)"
     if total["failed"]:
         return f"UNEXPECTED OUTCOMES: {total['failed']} failed (failures, errors or strict xfails that passed); {counts}"
@@ -167,55 +170,45 @@ def header(about: dict) -> str:
             f"CUDA {about['cuda'] or '(none)'}, {hardware}, python {about['python']}")
 
 
-def known_bugs(recs: list[dict]) -> list[tuple[str, str, int, list[str]]]:
+def known_bugs(recs: list[Record]) -> list[tuple[str, str, int, list[str]]]:
     """[(bug id, reason, how many xfails, which scalers)] in order of frequency. The id is the KNOWN_BUGS id
     (docs/bugs.md has its write-up), or "xfails-file" for a consumer's own entries."""
     by = collections.defaultdict(list)
     for r in recs:
-        if r["outcome"] == "xfailed":
-            bug = r.get("bug") or ("xfails-file" if r.get("xfails_file") else "the test's own xfail")
-            by[bug, r["reason"] or "(no reason)"].append(r.get("scaler") or "-")
+        if r.outcome == "xfailed":
+            bug = r.bug or ("xfails-file" if r.xfails_file else "the test's own xfail")
+            by[bug, r.reason or "(no reason)"].append(r.scaler or "-")
     return sorted(((bug, reason, len(s), sorted(set(s), key=_scaler_order)) for (bug, reason), s in by.items()),
                   key=lambda t: (-t[2], t[0]))
 
 
-def render(recs: list[dict], markdown: bool, exitstatus: int = 0, about: dict | None = None,
+def render(recs: list[Record], markdown: bool, exitstatus: int = 0, about: dict | None = None,
            stale: tuple = ()) -> str:
     first = headline(recs, exitstatus)
     lines = [("**" + first + "**") if markdown else first, ""]
     if about:
         lines += [("on " + header(about)), ""]
     for title, head, rows in tables(recs):
-        lines.append(f"### {title}" if markdown else f"{title}:")
-        if markdown:
-            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            lines += ["| " + " | ".join(row) + " |" for row in rows]
-        else:
-            widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-            for row in [head] + rows:
-                lines.append("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
-        lines.append("")
+        lines += [heading(title, markdown)] + table(head, rows, markdown) + [""]
     lines.append("cells: passed/failed/xfailed/skipped (failed includes errors and strict xfails that passed)")
     bugs = known_bugs(recs)
     if bugs:
-        lines += ["", "### Known upstream bugs (strict xfails)" if markdown else "known upstream bugs (strict xfails):"]
+        lines += ["", heading("Known upstream bugs (strict xfails)" if markdown else "known upstream bugs (strict xfails)",
+                              markdown)]
         for bug, reason, n, scalers in bugs:
             lines.append(f"- {n} x [{', '.join(scalers)}] {bug}: {reason}")
     if stale:  # tests/xfails.py: a renamed or deselected test, or a typo, never misses silently
-        lines += ["", "### --xfails-file entries that match no test of this run" if markdown
-                  else "--xfails-file entries that match no test of this run:"]
+        lines += ["", heading("--xfails-file entries that match no test of this run", markdown)]
         lines += [f"- line {e.line}: {e.check}" for e in stale]
     return "\n".join(lines) + "\n"
 
 
-def as_data(recs: list[dict], exitstatus: int, about: dict, stale: tuple = ()) -> dict:
-    """The report as plain data (--report-json): what ran where, every record, every known bug."""
-    keys = ("nodeid", "test", "outcome", "scaler", "impl", "family", "bug", "bug_any_version", "xfails_file")
-    return {"versions": about, "exitstatus": int(exitstatus), "headline": headline(recs, exitstatus),
-            "known_bugs": [{"id": b.id, "reason": b.reason, "torch": b.torch, "fairscale": b.fairscale,
-                            "in_force": b.in_force} for b in KNOWN_BUGS],
-            "records": [{k: r.get(k) for k in keys} for r in recs],
-            "xfails_file_unmatched": [{"line": e.line, "check": e.check} for e in stale]}
+def as_data(recs: list[Record], exitstatus: int, about: dict, stale: tuple = ()) -> dict:
+    """The report as plain data (--report-json; tests/records.py Report.from_data reads it back): what ran
+    where, every record, every known bug, the --xfails-file entries that matched nothing."""
+    return Report(versions=about, exitstatus=int(exitstatus), headline=headline(recs, exitstatus),
+                  known_bugs=tuple(Bug(b.id, b.reason, b.torch, b.fairscale, b.in_force) for b in KNOWN_BUGS),
+                  records=tuple(recs), xfails_file_unmatched=tuple(Unmatched(e.line, e.check) for e in stale)).as_data()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -225,7 +218,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                if isinstance(rep, (pytest.TestReport, pytest.CollectReport))]  # stats also hold warnings
     recs = records(reports)
     about = versions.describe()
-    stale = xfails.unmatched(config.stash.get(xfails.ENTRIES, []), (r["nodeid"] for r in recs))
+    stale = xfails.unmatched(config.stash.get(xfails.ENTRIES, []), (r.nodeid for r in recs))
     terminalreporter.write_sep("=", "compatibility report")
     terminalreporter.write(render(recs, markdown=False, exitstatus=exitstatus, about=about, stale=stale))
     path = config.getoption("--report")

@@ -70,6 +70,12 @@ def load_factory(option: str, spec: str, builtins: dict) -> Callable:
     return factory
 
 
+def spec_id(spec: str) -> str:
+    """A --scaler or --fsdp spec as it appears in a test id: 'pkg.mod:factory' -> 'pkg.mod-factory' (':' would
+    read as a path separator in -k expressions and --xfails-file entries)."""
+    return spec.replace(":", "-")
+
+
 def resolve(spec: str) -> Callable:
     """A --scaler spec -> its factory."""
     return load_factory("--scaler", spec, BUILTINS)
@@ -328,8 +334,7 @@ KNOWN_BUGS = [
          "fairscale's state_dict() after a backoff (fairscale-state-dict-after-backoff) inside FSDP training: "
          "fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale issue #421) keeps "
          "the scale on CPU, so after the first growth or backoff _growth_tracker is a Python "
-         "int and the checkpoint after step 8 raises AttributeError: 'int' object has no attribute 'item' "
-         "(deterministic: 3 of 3 isolated reruns on the H200)",
+         "int and the checkpoint after step 8 raises AttributeError: 'int' object has no attribute 'item'",
          when=_where(impl="fairscale", placement=CPU_SCALE, world_size=1), fairscale=FAIRSCALE_0_4_13,
          title="state_dict() raises after a backoff, in fairscale FSDP CPU-offload training"),
     _bug("fairscale-fsdp-mixed-precision-grads", None, {MATRIX},

@@ -23,6 +23,7 @@ from tests.conformance.problem import Problem, build_scaler, equal_lists, harnes
 from tests.harness import run_on_ranks
 
 pytestmark = [pytest.mark.conformance, pytest.mark.gpu]
+REPORT_COLUMN = "busy GPU"  # the compatibility report's column for these checks (tests/report.py)
 
 
 def keep_gpu_busy(matmuls: int = 24, n: int = 4096) -> None:

@@ -16,6 +16,7 @@ from tests.versions import holds
 
 pytestmark = [pytest.mark.conformance,
               pytest.mark.skipif(not torch.cuda.is_available() and holds(torch=FSDP2_CPU_TORCH), reason=FSDP2_CPU_REASON)]
+REPORT_COLUMN = "FSDP2"  # the compatibility report's column for these checks (tests/report.py)
 
 
 def _fsdp2_step(spec, bad):

@@ -14,6 +14,7 @@ from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_
 from tests.harness import RankHung, run_on_ranks
 
 pytestmark = pytest.mark.conformance
+REPORT_COLUMN = "across ranks"  # the compatibility report's column for these checks (tests/report.py)
 
 PLACEMENTS = placement_params(["cpu", "cuda", "offload", "cpu_loss", "mixed"])
 

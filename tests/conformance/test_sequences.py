@@ -37,6 +37,7 @@ from tests.conformance.problem import INF_VALUES, Problem, ScalerModel, build_sc
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.conformance
+REPORT_COLUMN = "sequences"  # the compatibility report's column for these checks (tests/report.py)
 
 WORLD_SIZE = 2
 N_PARAMS = 4  # one optimizer: all four; two: params 0-1 and 2-3

@@ -13,6 +13,7 @@ from tests.conformance.problem import (DTYPES, INF_VALUES, Problem, build_scaler
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.conformance
+REPORT_COLUMN = "single rank"  # the compatibility report's column for these checks (tests/report.py)
 
 ALL_PLACEMENTS = placement_params()
 CPU_ONLY = placement_params(["cpu"])

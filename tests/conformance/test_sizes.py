@@ -18,6 +18,7 @@ from tests.harness import run_on_ranks
 from tests.scalers import make_scaler
 
 pytestmark = pytest.mark.conformance
+REPORT_COLUMN = "model sizes"  # the compatibility report's column for these checks (tests/report.py)
 
 CHUNK = 65536  # elements per chunk of CUDA's multi-tensor apply
 SHAPES = {

@@ -15,6 +15,8 @@ import collections
 import itertools
 from dataclasses import astuple, dataclass, fields
 
+from tests.scalers import spec_id
+
 
 # axis -> its values, as they appear in test ids (in this order); meaning in the comments
 AXES = {
@@ -85,7 +87,7 @@ class Cell:
 
     @property
     def id(self) -> str:
-        return "-".join(f"ws{v}" if f.name == "world_size" else str(v).replace(":", "-")
+        return "-".join(f"ws{v}" if f.name == "world_size" else spec_id(str(v))
                         for f, v in zip(fields(self), astuple(self)) if not (f.name == MODEL and v == AXES[MODEL][0]))
 
     def __str__(self) -> str:

@@ -1,4 +1,4 @@
-"""The suite catches planted defects: each mutant scaler (mutants.py) must fail its named checks.
+"""The suite catches planted defects: each mutant scaler (tests/planted/scalers.py) must fail its named checks.
 
 Runs the conformance suite once, in a child pytest, against every mutant at once, and reads
 the per-test outcomes from its report records (--report-json). `ours` itself is the control: it must pass there.
@@ -6,7 +6,7 @@ the per-test outcomes from its report records (--report-json). `ours` itself is 
 import pytest
 
 from tests.child_run import child_run_once
-from tests.conformance.mutants import EXPECTED
+from tests.planted import EXPECTED, SCALERS
 from tests.scalers import SEQUENCES
 
 pytestmark = pytest.mark.slow  # child runs of the suite: minutes on 2 cores, once per run (child_run_once)
@@ -23,14 +23,14 @@ def _child_run(tmp_path_factory, name, specs, selection, extra=()):
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    specs = ["ours"] + [f"tests.conformance.mutants:{name}" for name in EXPECTED]
+    specs = ["ours"] + [SCALERS[name].spec for name in EXPECTED]
     result = _child_run(tmp_path_factory, "mutants-all", specs, f"not {HANG_TEST} and not {SEQUENCES}")
     # the hang check costs its 15 s timeout per scaler: run it only where a mutant expects it
-    hang_specs = ["ours"] + [f"tests.conformance.mutants:{n}" for n, tests in EXPECTED.items() if HANG_TEST in tests]
+    hang_specs = ["ours"] + [SCALERS[n].spec for n, tests in EXPECTED.items() if HANG_TEST in tests]
     result.update(_child_run(tmp_path_factory, "mutants-hang", hang_specs, HANG_TEST))
     # the sequence test runs its whole example budget on every scaler it does not catch: only where expected,
     # and unshrunk (a caught mutant need only fail; its readable sequence is test_sequences.py's own business)
-    seq_specs = ["ours"] + [f"tests.conformance.mutants:{n}" for n, tests in EXPECTED.items() if SEQUENCES in tests]
+    seq_specs = ["ours"] + [SCALERS[n].spec for n, tests in EXPECTED.items() if SEQUENCES in tests]
     result.update(_child_run(tmp_path_factory, "mutants-sequences", seq_specs, SEQUENCES,
                              extra=["--hypothesis-profile=no-shrink"]))
     return result
@@ -44,7 +44,7 @@ def test_ours_passes_every_check_in_the_same_run(outcomes):
 
 @pytest.mark.parametrize("mutant", sorted(EXPECTED))
 def test_mutant_is_caught_by_its_checks(outcomes, mutant):
-    spec = f"tests.conformance.mutants:{mutant}"
+    spec = SCALERS[mutant].spec
     for test in EXPECTED[mutant]:
         got = outcomes.get((spec, test), [])
         assert "failed" in got, f"{mutant}: {test} should fail on this defect, got {got or 'no results'}"

@@ -1,16 +1,17 @@
 """The compatibility report counts pytest's own reports right (every collected test, not only the scaler
 checks it has a column for), and its headline says so whenever anything is unexpected."""
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from tests import report
 from tests.child_run import ROOT
-
+from tests.records import Cell, Report
 
 
 def rep(nodeid, outcome, scaler="ours", family="single rank", when="call", reason=None, **props):
-    r = SimpleNamespace(nodeid=nodeid, when=when, passed=outcome == "passed", failed=outcome == "failed",
+    r = SimpleNamespace(nodeid=nodeid, fspath=nodeid, when=when, passed=outcome == "passed", failed=outcome == "failed",
                         skipped=outcome in ("skipped", "xfailed"),
                         user_properties=[("scaler", scaler), ("family", family), *props.items()])
     if outcome == "xfailed":
@@ -23,7 +24,7 @@ def test_each_test_id_counts_once_with_its_worst_outcome():
                            rep("b", "skipped", when="setup"),
                            rep("c", "passed"), rep("c", "failed", when="teardown"),  # an error in teardown
                            rep("d", "xfailed", scaler="torch_amp", reason="bug X", bug="bug-x")])
-    assert sorted((r["outcome"], r["scaler"]) for r in recs) == [
+    assert sorted((r.outcome, r.scaler) for r in recs) == [
         ("failed", "ours"), ("passed", "ours"), ("skipped", "ours"), ("xfailed", "torch_amp")]
     title, header, rows = report.tables(recs)[0]
     assert header == ["scaler", "single rank"] and rows == [["ours", "1/1/0/1"], ["torch_amp", "0/0/1/0"]]
@@ -43,20 +44,27 @@ def test_unexpected_outcomes_lead_the_report_whatever_the_exit_status():
 
 
 def test_matrix_rows_are_implementation_and_scaler():
-    recs = report.records([rep("m1", "passed", family="fp16 offload", impl="fsdp2"),
-                           rep("m2", "xfailed", scaler="torch_amp", family="fp32 nooffload", impl="fsdp1", reason="r")])
+    recs = report.records([rep("m1", "passed", family=Cell("fp16", "offload").as_data(), impl="fsdp2"),
+                           rep("m2", "xfailed", scaler="torch_amp", family=Cell("fp32", "nooffload").as_data(),
+                               impl="fsdp1", reason="r"),
+                           rep("m3", "passed", family=Cell("fp16", "nooffload").as_data(), impl="fsdp2")])
     title, header, rows = report.tables(recs)[0]
-    assert title == "FSDP-vs-DDP matrix" and header == ["implementation", "scaler", "fp32 nooffload", "fp16 offload"]
-    assert rows == [["fsdp1", "torch_amp", "0/0/1/0", ""], ["fsdp2", "ours", "", "1/0/0/0"]]
+    assert title == "FSDP-vs-DDP matrix"
+    assert header == ["implementation", "scaler", "fp32 nooffload", "fp16 nooffload", "fp16 offload"]
+    assert rows == [["fsdp1", "torch_amp", "0/0/1/0", "", ""], ["fsdp2", "ours", "", "1/0/0/0", "1/0/0/0"]]
 
 
-def test_the_json_records_give_the_same_tables():
-    """--report-json's records (absent keys written as null) rebuild the report's tables (ci/versions.py,
-    a saved GPU run)."""
-    recs = report.records([rep("c", "passed"), rep("m", "xfailed", family="fp16 offload", impl="fsdp1", reason="r"),
+def test_the_json_records_are_the_records():
+    """--report-json's data, through JSON and back, is the same Records (a matrix cell's family a Cell again),
+    so it rebuilds the report's tables (a saved GPU run) and the version table reads what the report wrote."""
+    recs = report.records([rep("c", "passed"), rep("x", "failed", when="setup"),
+                           rep("m", "xfailed", family=Cell("fp16", "offload").as_data(), impl="fsdp1", reason="r",
+                               bug="b", bug_any_version="b", xfails_file="f", test="test_m", function="f.py::test_m"),
                            rep("t", "passed", scaler=None, family="test_x.py")])
-    data = report.as_data(recs, 0, {})
-    assert report.tables(data["records"]) == report.tables(recs)
+    back = Report.from_data(json.loads(json.dumps(report.as_data(recs, 0, {"torch": "2.4.1"}))))
+    assert list(back.records) == recs and back.records[2].family == Cell("fp16", "offload")
+    assert back.versions == {"torch": "2.4.1"} and back.exitstatus == 0 and back.known_bugs
+    assert report.tables(back.records) == report.tables(recs)
 
 
 NEW_FILE = """
@@ -71,18 +79,31 @@ def test_a_new_plain_check():
 """
 
 
+DECLARED = """
+import pytest
+
+REPORT_COLUMN = "declared column"
+
+@pytest.mark.parametrize("scaler", ["ours"])
+def test_a_declared_check(scaler):
+    pass
+"""
+
+
 def test_a_failure_in_a_file_without_a_family_makes_the_headline_unexpected(pytester, monkeypatch):
-    """A new test file the report has no family for: its tests are counted (the scaler check in a
-    column of its own, the plain one under the rest), and its failure leads the report."""
-    pytester.makepyfile(test_zz_new=NEW_FILE)
+    """A new test file that declares no REPORT_COLUMN: its tests are counted (the scaler check in a
+    column of its own, named by its file, the plain one under the rest), and its failure leads the report;
+    a file that declares one counts in that column."""
+    pytester.makepyfile(test_zz_new=NEW_FILE, test_zz_declared=DECLARED)
     pytester.makeini("[pytest]\n")
     monkeypatch.setenv("PYTHONPATH", ROOT)  # the child imports the report plugin from this checkout
     result = pytester.runpytest_subprocess("-p", "tests.options", "-p", "tests.report", "-p", "no:cacheprovider", "-p", "no:xdist",
                                            "--report", "r.md")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=1)
     text = (pytester.path / "r.md").read_text()
     assert text.startswith("**UNEXPECTED OUTCOMES: 1 failed"), text
-    assert "| ours | 1/0/0/0 |" in text and "| test_zz_new.py | 0/1/0/0 |" in text, text
+    assert "| scaler | declared column | test_zz_new.py |" in text, text
+    assert "| ours | 1/0/0/0 | 1/0/0/0 |" in text and "| test_zz_new.py | 0/1/0/0 |" in text, text
 
 
 def test_xfails_file_entries_match_a_test_or_every_param_of_a_function(tmp_path):

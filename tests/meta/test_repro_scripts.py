@@ -10,7 +10,7 @@ from tests.child_run import ROOT, clean_env, runpytest
 
 pytestmark = pytest.mark.harness
 REPRO = "tests/repro/test_cpu_scale_grows_to_inf.py"  # runs on CPU
-MUTANT = "tests.conformance.mutants:grows_to_inf"  # has that bug
+MUTANT = "tests.planted.scalers:grows_to_inf"  # has that bug
 
 
 def _run(*args):

@@ -4,7 +4,7 @@ silently drop a known bug's xfail, a mutant's expectation or a report column.
 Checked against what the main job collects (the suite's testpaths with the built-in scalers and FSDP
 implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS (tests/scalers.py; an entry matches a check by its test names and
 param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
-EXPECTED tests (tests/conformance/mutants.py) and the report's FAMILIES (tests/report.py).
+EXPECTED tests (tests/planted) and the report's COLUMNS (tests/report.py; each the REPORT_COLUMN of a module).
 """
 import os
 
@@ -12,22 +12,22 @@ import pytest
 
 from tests import report
 from tests.child_run import ROOT
-from tests.conformance.mutants import EXPECTED
+from tests.planted import EXPECTED
 from tests.scalers import KNOWN_BUGS
 
 
 def unmatched(collected) -> list[str]:
-    """The table entries that match no collected (test function, params, file name)."""
+    """The table entries that match no collected (test function, params, report column)."""
     names = {name for name, _, _ in collected}
-    files = {file for _, _, file in collected}
+    columns = {column for _, _, column in collected}
     out = [f"KNOWN_BUGS {bug.id!r}: no collected test is {sorted(bug.tests) if bug.tests else 'a scaler check'} "
            f"with params its conditions accept" for bug in KNOWN_BUGS
            if not any("scaler" in params and bug.matches(name, params, cuda)
                       for name, params, _ in collected for cuda in (False, True))]
     out += [f"mutants EXPECTED {mutant!r}: no collected test is named {test!r}"
             for mutant, tests in EXPECTED.items() for test in tests if test not in names]
-    out += [f"report FAMILIES {file!r}: no collected test is in a file of that name"
-            for file in report.FAMILIES if file not in files]
+    out += [f"report COLUMNS {column!r}: no collected test counts in it (its module's REPORT_COLUMN, or tests/repro)"
+            for column in report.COLUMNS if column not in columns]
     return out
 
 
@@ -37,7 +37,7 @@ def test_every_table_entry_names_a_collected_test(request, pytester, monkeypatch
     testpaths = [os.path.join(ROOT, p) for p in request.config.getini("testpaths")]
     items, _ = pytester.inline_genitems("-p", "no:cacheprovider", "-p", "no:xdist", "-c", os.path.join(ROOT, "pytest.ini"),
                                         "--rootdir", ROOT, *testpaths)
-    collected = [(item.originalname, getattr(getattr(item, "callspec", None), "params", {}), item.path.name)
+    collected = [(item.originalname, getattr(getattr(item, "callspec", None), "params", {}), report.column(item))
                  for item in items]
     assert len(collected) > 1000, f"collected only {len(collected)} checks from {testpaths}"
     stale = unmatched(collected)
@@ -45,11 +45,11 @@ def test_every_table_entry_names_a_collected_test(request, pytester, monkeypatch
 
 
 def test_a_stale_entry_is_named():
-    collected = [("test_renamed", {"scaler": "ours"}, "test_single_process.py")]
+    collected = [("test_renamed", {"scaler": "ours"}, "single rank")]
     stale = unmatched(collected)
     assert any("KNOWN_BUGS 'torch-amp-refuses-fp16-grads'" in line for line in stale), stale
     assert any("'no_agreement': no collected test is named 'test_ranks_keep_scale_in_lockstep'" in line for line in stale)
-    assert any("FAMILIES 'test_ranks.py'" in line for line in stale) and len(stale) > 20
+    assert any("COLUMNS 'across ranks'" in line for line in stale) and len(stale) > 20
 
 
 def test_a_reworded_reason_keeps_its_repro_and_an_unknown_id_fails_loudly():

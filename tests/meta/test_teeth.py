@@ -10,51 +10,29 @@ multi-chunk grads expose, which the small model's cells cannot.
 """
 import pytest
 
+from tests import planted
 from tests.child_run import child_run_once, outcomes
 
 pytestmark = pytest.mark.slow  # child runs of the matrix: minutes on 2 cores, once per run (child_run_once)
 
 SLICE = "ws2 and (fsdp1 or fsdp2)"
-MUTANTS = [  # tests/conformance/mutants.py: the defects the matrix's schedule (cell.py) must expose
-    "no_agreement",                 # ranks decide alone: the rank without the inf steps
-    "backoff_only_if_exactly_one",  # both ranks see the fp16 overflow: found_inf sums to 2.0
-    "agrees_only_in_step",          # the clipping path's unscale_ decides alone
-    "checks_first_grad_only",       # the +inf sits in the last grad of the shard
-    "first_param_group_only",       # ... which is in the second param group
-    "misses_nan",                   # fp16 cells: the overflowing micro-batch makes NaN
-    "skips_low_precision_check",    # keeplow cells: FSDP1 hands the scaler fp16/bf16 grads
-    "leaves_half_grads_scaled",
-    "misses_negative_inf",          # the injection at step 7 in fp32/bf16 cells
-    "unscales_twice",               # clip cells
-    "steps_on_inf",
-    "stale_scale_after_backoff",
-    "tracker_not_reset_on_backoff",
-    "grows_one_step_late",
-    "hardcoded_growth_factor",      # growth 4x
-    "backoff_is_inverse_growth",    # backoff 0.5x, not 1/4
-    "state_dict_forgets_tracker",   # the resume after step 8
-    "init_scale_ignored",
-    "ignores_d_tensor_grads",       # FSDP2 cells
-]
-WIDE_MUTANTS = [  # caught by the wide model's cells only (the small model has 10 grads of <= 143 elements)
-    "checks_first_list_chunk_only",     # FSDP2 / use_orig_params: the +inf sits in grad ~300 of the shard
-    "checks_first_block_of_each_grad",  # FSDP1 flat params: the +inf sits past element 65536 of the flat grad
-]
+# tests/planted/scalers.py declares each mutant's matrix role, with a comment saying where the matrix exposes it
+MUTANTS = planted.matrix_mutants("small")  # the defects the matrix's schedule (cell.py) must expose
+WIDE_MUTANTS = planted.matrix_mutants("wide")  # wide cells only: the small model has 8 grads of <= 143 elements
 WRAPPERS = "tests.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
-PLANTED = "tests.conformance.mutants"  # the broken wrappers live with the planted scalers
-BROKEN = ["fsdp1_sums_grads"]  # reduces by SUM, no 1/world_size average
+BROKEN = list(planted.WRAPPERS)  # tests/planted/wrappers.py
 
 
 @pytest.fixture(scope="module")
 def scalers(tmp_path_factory):
-    specs = ["ours"] + [f"tests.conformance.mutants:{m}" for m in MUTANTS]
+    specs = ["ours"] + [planted.SCALERS[m].spec for m in MUTANTS]
     return child_run_once(tmp_path_factory, "teeth-scalers", ["tests/matrix/test_matrix.py"], SLICE,
                      scalers=specs, marker="matrix")
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    specs = ["ours"] + [f"tests.conformance.mutants:{m}" for m in WIDE_MUTANTS]
+    specs = ["ours"] + [planted.SCALERS[m].spec for m in WIDE_MUTANTS]
     # world size 1: the cheapest wide cells (~3x a small one) expose both; the others run in the matrix itself
     return child_run_once(tmp_path_factory, "teeth-wide", ["tests/matrix/test_matrix.py"], "wide and ws1",
                      scalers=specs, marker="matrix")
@@ -62,7 +40,7 @@ def wide(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wrappers(tmp_path_factory):
-    fsdps = [f"{WRAPPERS}:fsdp1", f"{WRAPPERS}:fsdp2"] + [f"{PLANTED}:{b}" for b in BROKEN]
+    fsdps = [f"{WRAPPERS}:fsdp1", f"{WRAPPERS}:fsdp2"] + [planted.WRAPPERS[b].spec for b in BROKEN]
     return child_run_once(tmp_path_factory, "teeth-wrappers", ["tests/matrix/test_matrix.py"], "ws2",
                      scalers=["ours"], fsdps=fsdps, marker="matrix")
 
@@ -74,7 +52,7 @@ def test_ours_passes_every_cell_of_the_slice(scalers):
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_mutant_fails_cells(scalers, mutant):
-    got = outcomes(scalers, scaler=f"tests.conformance.mutants:{mutant}", test="test_fsdp_matches_ddp")
+    got = outcomes(scalers, scaler=planted.SCALERS[mutant].spec, test="test_fsdp_matches_ddp")
     assert "failed" in got, f"{mutant}: no matrix cell failed ({got or 'no results'})"
 
 
@@ -85,7 +63,7 @@ def test_ours_passes_every_wide_cell(wide):
 
 @pytest.mark.parametrize("mutant", WIDE_MUTANTS)
 def test_a_defect_past_the_first_chunk_fails_wide_cells(wide, mutant):
-    got = outcomes(wide, scaler=f"tests.conformance.mutants:{mutant}", test="test_fsdp_matches_ddp")
+    got = outcomes(wide, scaler=planted.SCALERS[mutant].spec, test="test_fsdp_matches_ddp")
     assert "failed" in got, f"{mutant}: no wide cell failed ({got or 'no results'})"
 
 
@@ -97,5 +75,5 @@ def test_a_correct_plugged_wrapper_passes_with_no_expected_failures(wrappers, im
 
 @pytest.mark.parametrize("broken", BROKEN)
 def test_a_broken_plugged_wrapper_fails_cells(wrappers, broken):
-    got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=f"{PLANTED}:{broken}")
+    got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=planted.WRAPPERS[broken].spec)
     assert "failed" in got, f"{broken}: no cell failed ({got or 'no results'})"

@@ -1,104 +1,197 @@
-"""ci/versions.py (known bug x torch version, from --report-json files) on synthetic reports."""
-import importlib.util
+"""The known bug x torch version table (tests/version_table.py, ci/versions.py) on the --report-json files the
+report really writes: tiny child pytest runs (-p tests.options -p tests.report), one per "torch version".
+
+One install runs one torch, so each child's conftest stands in for what differs between versions: the torch
+version the report names, its known-bug table (which bugs are in force), and the known bugs its checks xfail
+as (marked as the suite's conftest.py marks them). Everything else, every record and the --xfails-file
+entries that matched nothing, is what tests/report.py wrote and tests/records.py reads back.
+"""
+import dataclasses
 import json
-import pathlib
+import subprocess
+import sys
 
 import pytest
 
+from tests import version_table as table
+from tests.child_run import ROOT, clean_env
+from tests.records import Report, Unmatched
+from tests.version_table import BugCell, Status
+
 pytestmark = pytest.mark.harness
 
-_spec = importlib.util.spec_from_file_location("ci_versions", pathlib.Path(__file__).parents[2] / "ci" / "versions.py")
-table = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(table)
+CONFTEST = '''
+import os
+from types import SimpleNamespace
 
+import pytest
+
+from tests import report, versions, xfails
+
+SESSION = os.environ["TABLE_SESSION"]  # old (torch<2.6), new, xpass (new, and the open bug's check passes)
+IN_FORCE = {"old-bug", "cuda-bug", "open-bug"} if SESSION == "old" else {"cuda-bug", "open-bug"}
 BUGS = [dict(id="old-bug", reason="fixed in 2.6", torch="<2.6", fairscale=""),
         dict(id="cuda-bug", reason="needs CUDA", torch="", fairscale=""),
         dict(id="open-bug", reason="still there", torch="", fairscale="")]
-FSDP2 = "tests/matrix/test_matrix.py::test_fsdp_matches_ddp"
+report.KNOWN_BUGS = [SimpleNamespace(**b, in_force=b["id"] in IN_FORCE) for b in BUGS]
+versions.describe = lambda: dict(python="3.11.7", torch=os.environ["TABLE_TORCH"], fairscale="0.4.13", cuda=None,
+                                 gpus=[])
+BUG_OF = {"test_old": "old-bug", "test_cuda": "cuda-bug", "test_open": "open-bug", "test_open2": "open-bug"}
 
 
-def rec(nodeid, outcome, bug=None, any_bug=None):
-    return dict(nodeid=nodeid, outcome=outcome, scaler="ours", impl=None, family="single rank", bug=bug,
-                bug_any_version=any_bug)
+def pytest_configure(config):
+    path = config.getoption("--xfails-file")
+    config.stash[xfails.ENTRIES] = xfails.read(path) if path else []
 
 
-def session(torch, records, exitstatus=0, in_force=("old-bug", "cuda-bug", "open-bug")):
-    return dict(versions=dict(python="3.11.7", torch=torch, fairscale="0.4.13", cuda=None, gpus=[]),
-                exitstatus=exitstatus, headline="All as expected: ...",
-                known_bugs=[dict(b, in_force=b["id"] in in_force) for b in BUGS], records=records, unmatched=[])
+def pytest_collection_modifyitems(items):
+    for item in items:
+        bug = BUG_OF.get(item.originalname)
+        if bug:
+            item.user_properties.append(("bug_any_version", bug))
+        if bug in IN_FORCE:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=bug))
+            item.user_properties.append(("bug", bug))
+'''
+
+CHECKS = '''
+import os
+
+import pytest
+
+SESSION = os.environ["TABLE_SESSION"]
 
 
-def three_versions():
-    """torch 2.4.1: old-bug hit, FSDP2 skipped; 2.13 and 2.10: old-bug fixed, FSDP2 runs. Out of order."""
-    def common(old_outcome, fsdp2, old_bug):
-        return ([rec("t.py::test_old[a]", old_outcome, old_bug, "old-bug"),
-                 rec("t.py::test_old[b]", old_outcome, old_bug, "old-bug"),
-                 rec("t.py::test_cuda[x]", "skipped", None, "cuda-bug"),
-                 rec("t.py::test_open", "xfailed", "open-bug", "open-bug"),
-                 rec("t.py::test_same", "passed")]
-                + [rec(f"{FSDP2}[fsdp2-cell{i}-ours]", fsdp2) for i in range(100)])
-    newer = ("cuda-bug", "open-bug")
-    return [session("2.13.0+cpu", common("passed", "passed", None), in_force=newer),
-            session("2.4.1+cu121", common("xfailed", "skipped", "old-bug")),
-            session("2.10.0", common("passed", "passed", None), in_force=newer)]
+@pytest.mark.parametrize("scaler", ["a", "b"])
+def test_old(scaler):
+    assert SESSION != "old", "the old bug"
 
 
-def test_sessions_are_ordered_by_torch_version_not_by_string():
-    assert [s["versions"]["torch"] for s in table.order(three_versions())] == ["2.4.1+cu121", "2.10.0", "2.13.0+cpu"]
+@pytest.mark.parametrize("scaler", ["x"])
+def test_cuda(scaler):
+    pytest.skip("needs CUDA")
 
 
-def test_bug_cells_hit_fixed_na():
-    header, rows = table.bug_table(table.order(three_versions()))
+def test_open():
+    assert SESSION == "xpass", "the open bug (the xpass session: a strict xfail that passes)"
+
+
+def test_open2():
+    assert False, "the open bug"
+
+
+def test_same():
+    pass
+
+
+@pytest.mark.parametrize("cell", range(3))
+def test_fsdp2(cell):
+    if SESSION == "old":
+        pytest.skip("no FSDP2 on this torch")
+
+
+if SESSION == "xpass":
+    def test_new():
+        pass
+'''
+
+FSDP2 = "test_checks.py::test_fsdp2"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"green": a directory of three versions' reports, all as expected; "red": the xpass session's}."""
+    child = tmp_path_factory.mktemp("child")
+    (child / "pytest.ini").write_text("[pytest]\n")
+    (child / "conftest.py").write_text(CONFTEST)
+    (child / "test_checks.py").write_text(CHECKS)
+    (child / "xfails.txt").write_text("# ours\ntest_checks.py::test_renamed  # T-1\n")
+    dirs = {"green": tmp_path_factory.mktemp("green"), "red": tmp_path_factory.mktemp("red")}
+    for where, session, torch, extra in [("green", "old", "2.4.1+cu121", ["--xfails-file", "xfails.txt"]),
+                                         ("green", "new", "2.13.0+cpu", []), ("green", "new", "2.10.0", []),
+                                         ("red", "xpass", "2.13.0+cpu", [])]:
+        out = dirs[where] / f"torch-{torch.split('+')[0]}.json"
+        env = dict(clean_env(), PYTHONPATH=ROOT, TABLE_SESSION=session, TABLE_TORCH=torch)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.options", "-p", "tests.report",
+                               "-p", "no:cacheprovider", "-p", "no:xdist", f"--report-json={out}", *extra],
+                              cwd=child, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == (1 if session == "xpass" else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dirs
+
+
+def test_sessions_are_ordered_by_torch_version_not_by_string(runs):
+    assert [s.versions["torch"] for s in table.load(runs["green"])] == ["2.4.1+cu121", "2.10.0", "2.13.0+cpu"]
+
+
+def test_bug_cells_hit_fixed_na(runs):
+    header, rows = table.bug_table(table.load(runs["green"]))
     assert header == ["known bug", "holds for", "torch 2.4.1+cu121", "torch 2.10.0", "torch 2.13.0+cpu", "reason"]
-    assert rows == [["old-bug", "torch<2.6", "hit 2", "fixed 2", "fixed 2", "fixed in 2.6"],
-                    ["cuda-bug", "any", "n/a", "n/a", "n/a", "needs CUDA"],
-                    ["open-bug", "any", "hit 1", "hit 1", "hit 1", "still there"]]
+    hit, fixed, na = BugCell(Status.HIT, 2), BugCell(Status.FIXED, 2), BugCell(Status.NA)
+    assert rows == [["old-bug", "torch<2.6", hit, fixed, fixed, "fixed in 2.6"],
+                    ["cuda-bug", "any", na, na, na, "needs CUDA"],
+                    ["open-bug", "any", hit, hit, hit, "still there"]]
+    assert [str(c) for c in (hit, fixed, na)] == ["hit 2", "fixed 2", "n/a"]
 
 
-def test_a_failed_check_of_a_bug_is_unexpected_and_a_problem():
-    sessions = table.order(three_versions())
-    sessions[2]["records"][3] = rec("t.py::test_open", "failed", "open-bug", "open-bug")  # an XPASS(strict)
-    sessions[2]["exitstatus"] = 1
-    assert table.bug_table(sessions)[1][2][-2] == "UNEXPECTED 1"
-    assert table.problems(sessions) == ["torch 2.13.0+cpu: exit status 1", "open-bug on torch 2.13.0+cpu: UNEXPECTED 1"]
-    sessions[2]["records"].append(rec("t.py::test_open2", "xfailed", "open-bug", "open-bug"))
-    assert table.bug_table(sessions)[1][2][-2] == "UNEXPECTED 1 (hit 1)"
+def test_a_failed_check_of_a_bug_is_unexpected_and_a_problem(runs):
+    sessions = table.load(runs["green"])[:2] + table.load(runs["red"])  # 2.13.0: test_open passes, XPASS(strict)
+    cell = table.bug_table(sessions)[1][2][-2]
+    assert cell == BugCell(Status.UNEXPECTED, 1, hit=1) and str(cell) == "UNEXPECTED 1 (hit 1)"
+    assert str(BugCell(Status.UNEXPECTED, 1)) == "UNEXPECTED 1"
+    assert table.problems(sessions) == ["torch 2.13.0+cpu: exit status 1",
+                                        "open-bug on torch 2.13.0+cpu: UNEXPECTED 1 (hit 1)"]
 
 
-def test_in_force_bug_whose_checks_pass_is_not_called_fixed():
-    s = session("2.4.1", [rec("t.py::test_old", "passed", None, "old-bug")])  # in force, yet passed
-    assert table.bug_cell("old-bug", s) == "other 1"
+def test_in_force_bug_whose_checks_pass_is_not_called_fixed(runs):
+    new = table.load(runs["green"])[1]  # old-bug's checks pass there; say the bug were in force all the same
+    s = dataclasses.replace(new, known_bugs=tuple(dataclasses.replace(b, in_force=True) for b in new.known_bugs))
+    assert table.bug_cell("old-bug", s) == BugCell(Status.OTHER, 2)
 
 
-def test_changed_checks_grouped_by_function_and_pattern():
-    groups = table.changed(table.order(three_versions()))
+def test_changed_checks_grouped_by_function_and_pattern(runs):
+    groups = table.changed(table.load(runs["green"]))
     assert [(g["test"], g["pattern"], g["count"]) for g in groups] == [
-        (FSDP2, ("skipped", "passed", "passed"), 100),
-        ("t.py::test_old", ("xfailed", "passed", "passed"), 2)]
-    assert groups[1]["bugs"] == {"old-bug"} and groups[0]["example"] == f"{FSDP2}[fsdp2-cell0-ours]"
+        (FSDP2, ("skipped", "passed", "passed"), 3),
+        ("test_checks.py::test_old", ("xfailed", "passed", "passed"), 2)]
+    assert groups[1]["bugs"] == {"old-bug"} and groups[0]["example"] == f"{FSDP2}[0]"
 
 
-def test_a_check_missing_from_a_version_counts_as_changed():
-    a = session("2.4.1", [rec("t.py::test_new", "passed")])
-    b = session("2.13.0", [])
-    assert [g["pattern"] for g in table.changed([a, b])] == [("passed", "-")]
+def test_a_check_missing_from_a_version_counts_as_changed(runs):
+    sessions = table.load(runs["green"])[2:] + table.load(runs["red"])
+    assert ("test_checks.py::test_new", ("-", "passed")) in [(g["test"], g["pattern"]) for g in table.changed(sessions)]
 
 
-def test_missing_exit_status_and_missing_version_are_problems():
-    sessions = table.order(three_versions())
-    del sessions[1]["exitstatus"]
+def test_missing_exit_status_and_missing_version_are_problems(runs):
+    sessions = table.load(runs["green"])
+    data = json.loads((runs["green"] / "torch-2.10.0.json").read_text())
+    del data["exitstatus"]  # a report without it
+    sessions[1] = Report.from_data(data)
     assert table.problems(sessions, expect=["2.4.1", "2.10.0", "2.13.0", "2.14.1"]) == [
         "torch 2.10.0: exit status missing",
         "torch 2.14.1: no report (the session did not run, or died before writing it)"]
 
 
-def test_main_reads_the_directory_prints_and_writes_markdown(tmp_path, capsys):
-    for s in three_versions():
-        (tmp_path / f"torch-{s['versions']['torch'].split('+')[0]}.json").write_text(json.dumps(s))
+def test_an_xfails_file_entry_that_matched_nothing_is_named(runs):
+    old = table.load(runs["green"])[0]
+    assert old.xfails_file_unmatched == (Unmatched(2, "test_checks.py::test_renamed"),)
+    assert "  - --xfails-file line 2 matched no test: test_checks.py::test_renamed" in table.render([old])
+
+
+def test_the_cli_reads_the_directory_prints_and_writes_markdown_without_pytest_or_torch(runs, tmp_path):
+    """ci/versions.py as the table job runs it (nox -s table: an interpreter with nox and packaging alone)."""
     md = tmp_path / "table.md"
-    assert table.main([str(tmp_path), "--markdown", str(md), "--expect", "2.4.1,2.10.0,2.13.0"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("All as expected across 3 torch version(s)")
-    assert "100 x tests/matrix/test_matrix.py::test_fsdp_matches_ddp: skipped / passed / passed" in out
-    assert "| old-bug | torch<2.6 | hit 2 | fixed 2 | fixed 2 | fixed in 2.6 |" in md.read_text()
-    assert table.main([str(tmp_path), "--expect", "2.14.1"]) == 1
+    no_pytest = ("import runpy, sys; sys.modules.update(pytest=None, torch=None); sys.argv = sys.argv[1:]; "
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-c", no_pytest, f"{ROOT}/ci/versions.py", *args], cwd=tmp_path,
+                              env=clean_env(), capture_output=True, text=True, timeout=120)
+
+    proc = cli(str(runs["green"]), "--markdown", str(md), "--expect", "2.4.1,2.10.0,2.13.0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("All as expected across 3 torch version(s)"), proc.stdout
+    assert f"3 x {FSDP2}: skipped / passed / passed" in proc.stdout
+    assert ("| known bug | holds for | torch 2.4.1+cu121 | torch 2.10.0 | torch 2.13.0+cpu | reason |\n"
+            "|---|---|---|---|---|---|\n"
+            "| old-bug | torch<2.6 | hit 2 | fixed 2 | fixed 2 | fixed in 2.6 |\n") in md.read_text()
+    assert cli(str(runs["green"]), "--expect", "2.14.1").returncode == 1

@@ -1,24 +1,27 @@
-"""Every planted defect of the suite, in one home: scalers and FSDP wrappers with one defect each.
+"""The planted scalers: `ours` with a single clause of the contract broken, the kind of bug seen upstream.
 
-Scalers: `ours` with a single clause of the contract broken, the kind of bug seen upstream. Use one
-with `--scaler tests.conformance.mutants:<name>`; tests/meta/test_mutants.py runs them all and checks
-that the tests named in EXPECTED fail (and that every mutant fails something); tests/meta/test_teeth.py
-runs some through the matrix. FSDP wrappers (at the end): a built-in with one defect a user's wrapper
-could have, `--fsdp tests.conformance.mutants:<name>`; test_teeth.py checks they fail matrix cells.
+Use one with `--scaler tests.planted.scalers:<name>`. Each is declared by `@mutant(name, caught_by=..., matrix=...)`
+(tests/planted/registry.py): tests/meta/test_mutants.py checks that every test in its caught_by fails on it (and
+`ours` passes them), tests/meta/test_teeth.py that the matrix roles fail matrix cells. The factory each name
+stands for is bound in the table at the end.
 """
 import contextlib
 import math
-import re
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, _f32
+from tests.planted.registry import mutant
 from tests.scalers import SEQUENCES
 
 _check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
 
 
+@mutant("no_agreement", caught_by=["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off",
+                                   "test_ranks_keep_scale_in_lockstep",
+                                   "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"],
+        matrix="small")  # ranks decide alone: the rank without the inf steps
 class NoAgreement(DeviceSplitGradScaler):
     """found_inf is never all-reduced: ranks decide alone (torch.amp.GradScaler's behaviour)."""
 
@@ -26,6 +29,7 @@ class NoAgreement(DeviceSplitGradScaler):
         return float(sum(t.item() for t in found.values()))
 
 
+@mutant("world_group", caught_by=["test_agreement_uses_the_given_process_group"])
 class WorldGroup(DeviceSplitGradScaler):
     """Agrees over WORLD, whatever process_group it was given."""
 
@@ -37,6 +41,8 @@ class WorldGroup(DeviceSplitGradScaler):
             self.process_group = group
 
 
+@mutant("backoff_only_if_exactly_one", caught_by=["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"],
+        matrix="small")  # both ranks see the fp16 overflow: found_inf sums to 2.0
 class BackoffOnlyIfExactlyOne(DeviceSplitGradScaler):
     """fairscale's found_inf.item() == 1.0 (KNOWN_BUGS fairscale-backoff-only-if-exactly-one): a sum of 2.0 counts
     as clean."""
@@ -46,6 +52,9 @@ class BackoffOnlyIfExactlyOne(DeviceSplitGradScaler):
         return value if value == 1.0 else 0.0
 
 
+@mutant("grows_one_step_late", caught_by=["test_growth_after_exactly_growth_interval_clean_steps",
+                                          "test_scale_trajectory_matches_reference_model"],
+        matrix="small")
 class GrowsOneStepLate(DeviceSplitGradScaler):
     """Grows after growth_interval + 1 clean steps."""
 
@@ -59,6 +68,8 @@ class GrowsOneStepLate(DeviceSplitGradScaler):
                 self._growth_interval -= 1
 
 
+@mutant("tracker_not_reset_on_backoff", caught_by=["test_scale_trajectory_matches_reference_model"],
+        matrix="small")
 class TrackerNotResetOnBackoff(DeviceSplitGradScaler):
     """A backoff keeps the growth progress made before it."""
 
@@ -72,6 +83,8 @@ class TrackerNotResetOnBackoff(DeviceSplitGradScaler):
             self._growth_tracker = tracker
 
 
+@mutant("state_dict_forgets_tracker", caught_by=["test_state_dict_round_trip_resumes_identically"],
+        matrix="small")  # the resume after step 8
 class StateDictForgetsTracker(DeviceSplitGradScaler):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -79,6 +92,8 @@ class StateDictForgetsTracker(DeviceSplitGradScaler):
             self._growth_tracker = 0
 
 
+@mutant("unscales_twice", caught_by=["test_unscale_then_clip_then_step_unscales_once"],
+        matrix="small")  # clip cells
 class UnscalesTwice(DeviceSplitGradScaler):
     """step() unscales again after an explicit unscale_."""
 
@@ -89,6 +104,8 @@ class UnscalesTwice(DeviceSplitGradScaler):
         return super().step(optimizer, *args, **kwargs)
 
 
+@mutant("misses_nan", caught_by=["test_inf_or_nan_skips_step_and_backs_off"],
+        matrix="small")  # fp16 cells: the overflowing micro-batch makes NaN
 class MissesNaN(DeviceSplitGradScaler):
     @staticmethod
     def _check_and_unscale(grads, found_inf, inv_scale):
@@ -96,6 +113,8 @@ class MissesNaN(DeviceSplitGradScaler):
         torch._foreach_mul_(grads, inv_scale)
 
 
+@mutant("misses_negative_inf", caught_by=["test_inf_or_nan_skips_step_and_backs_off"],
+        matrix="small")  # the -inf injected at step 7 in fp32/bf16 cells
 class MissesNegativeInf(DeviceSplitGradScaler):
     @staticmethod
     def _check_and_unscale(grads, found_inf, inv_scale):
@@ -112,12 +131,16 @@ def _checks_first(k):
     return staticmethod(check)
 
 
+@mutant("checks_first_grad_only", caught_by=["test_inf_or_nan_skips_step_and_backs_off"],
+        matrix="small")  # the +inf sits in the last grad of the shard
 class ChecksFirstGradOnly(DeviceSplitGradScaler):
     """Only the first grad of each (device, dtype) group is checked (fairscale before PR 890)."""
 
     _check_and_unscale = _checks_first(1)
 
 
+@mutant("skips_low_precision_check", caught_by=["test_inf_or_nan_skips_step_and_backs_off"],
+        matrix="small")  # keeplow cells: FSDP1 hands the scaler fp16/bf16 grads
 class SkipsLowPrecisionCheck(DeviceSplitGradScaler):
     """fp16/bf16 grads are unscaled but never checked."""
 
@@ -129,6 +152,8 @@ class SkipsLowPrecisionCheck(DeviceSplitGradScaler):
             torch._foreach_mul_(grads, inv_scale)
 
 
+@mutant("leaves_half_grads_scaled", caught_by=["test_clean_step_unscales_exactly_and_steps"],
+        matrix="small")
 class LeavesHalfGradsScaled(DeviceSplitGradScaler):
     @staticmethod
     def _check_and_unscale(grads, found_inf, inv_scale):
@@ -138,6 +163,8 @@ class LeavesHalfGradsScaled(DeviceSplitGradScaler):
             _check_and_unscale(grads, found_inf, inv_scale)
 
 
+@mutant("steps_on_inf", caught_by=["test_inf_or_nan_skips_step_and_backs_off"],
+        matrix="small")
 class StepsOnInf(DeviceSplitGradScaler):
     """Backs off on inf but calls optimizer.step() anyway."""
 
@@ -154,6 +181,8 @@ class StepsOnInf(DeviceSplitGradScaler):
             state["found_inf"] = found
 
 
+@mutant("hardcoded_growth_factor", caught_by=["test_growth_after_exactly_growth_interval_clean_steps"],
+        matrix="small")  # growth 4x
 class HardcodedGrowthFactor(DeviceSplitGradScaler):
     def update(self, new_scale=None):
         if self._enabled:
@@ -161,6 +190,8 @@ class HardcodedGrowthFactor(DeviceSplitGradScaler):
         super().update(new_scale)
 
 
+@mutant("backoff_is_inverse_growth", caught_by=["test_scale_trajectory_matches_reference_model"],
+        matrix="small")  # backoff 0.5x, not 1/4
 class BackoffIsInverseGrowth(DeviceSplitGradScaler):
     def update(self, new_scale=None):
         if self._enabled:
@@ -168,6 +199,7 @@ class BackoffIsInverseGrowth(DeviceSplitGradScaler):
         super().update(new_scale)
 
 
+@mutant("grows_to_inf", caught_by=["test_growth_never_overflows_to_inf"])
 class GrowsToInf(DeviceSplitGradScaler):
     """Grows even when the grown scale is inf (no isfinite check)."""
 
@@ -180,6 +212,8 @@ class GrowsToInf(DeviceSplitGradScaler):
             self._set_scale(math.inf)
 
 
+@mutant("stale_scale_after_backoff", caught_by=["test_inf_or_nan_skips_step_and_backs_off"],
+        matrix="small")
 class StaleScaleAfterBackoff(DeviceSplitGradScaler):
     """scale() keeps multiplying by the scale tensor cached before update() changed the scale."""
 
@@ -200,12 +234,15 @@ def _hidden_grads(optimizer, hide):
             p.grad = grad
 
 
+@mutant("ignores_sparse_grads", caught_by=["test_sparse_grads"])
 class IgnoresSparseGrads(DeviceSplitGradScaler):
     def _unscale_grads_(self, optimizer):
         with _hidden_grads(optimizer, lambda grad: grad.is_sparse):
             return super()._unscale_grads_(optimizer)
 
 
+@mutant("ignores_d_tensor_grads", caught_by=["test_fsdp2_dtensor_grads_agree_across_ranks"],
+        matrix="small")  # FSDP2 cells
 class IgnoresDTensorGrads(DeviceSplitGradScaler):
     """FSDP2's DTensor grads are neither unscaled nor checked."""
 
@@ -214,6 +251,7 @@ class IgnoresDTensorGrads(DeviceSplitGradScaler):
             return super()._unscale_grads_(optimizer)
 
 
+@mutant("allows_step_twice", caught_by=["test_misuse_raises_like_torch"])
 class AllowsStepTwice(DeviceSplitGradScaler):
     def step(self, optimizer, *args, **kwargs):
         if self._enabled:
@@ -223,6 +261,7 @@ class AllowsStepTwice(DeviceSplitGradScaler):
         return super().step(optimizer, *args, **kwargs)
 
 
+@mutant("allows_unscale_twice", caught_by=["test_misuse_raises_like_torch"])
 class AllowsUnscaleTwice(DeviceSplitGradScaler):
     def unscale_(self, optimizer):
         if self._enabled:
@@ -232,13 +271,17 @@ class AllowsUnscaleTwice(DeviceSplitGradScaler):
         super().unscale_(optimizer)
 
 
+@mutant("disabled_still_scales", caught_by=["test_disabled_scaler_is_a_pass_through"])
 class DisabledStillScales(DeviceSplitGradScaler):
+    """A disabled scaler still multiplies the loss (by 2), where it should hand it back untouched."""
+
     def scale(self, outputs):
         if not self._enabled and isinstance(outputs, torch.Tensor):
             return outputs * 2.0
         return super().scale(outputs)
 
 
+@mutant("backs_off_per_optimizer", caught_by=["test_two_optimizers_skip_independently_back_off_once"])
 class BacksOffPerOptimizer(DeviceSplitGradScaler):
     def update(self, new_scale=None):
         bad = sum(1 for s in self._per_optimizer_states.values() if s["found_inf"]) if self._enabled else 0
@@ -247,6 +290,7 @@ class BacksOffPerOptimizer(DeviceSplitGradScaler):
             self._set_scale(self._scale * self._backoff_factor)
 
 
+@mutant("one_inf_skips_every_optimizer", caught_by=["test_two_optimizers_skip_independently_back_off_once"])
 class OneInfSkipsEveryOptimizer(DeviceSplitGradScaler):
     def step(self, optimizer, *args, **kwargs):
         if self._enabled and any(s["found_inf"] for s in self._per_optimizer_states.values()):
@@ -256,6 +300,7 @@ class OneInfSkipsEveryOptimizer(DeviceSplitGradScaler):
         return super().step(optimizer, *args, **kwargs)
 
 
+@mutant("ignores_new_scale", caught_by=["test_update_with_new_scale"])
 class IgnoresNewScale(DeviceSplitGradScaler):
     def update(self, new_scale=None):
         if new_scale is not None:
@@ -264,6 +309,7 @@ class IgnoresNewScale(DeviceSplitGradScaler):
         super().update(new_scale)
 
 
+@mutant("skips_collective_without_grads", caught_by=["test_rank_without_grads_takes_part"])
 class SkipsCollectiveWithoutGrads(DeviceSplitGradScaler):
     """A rank with no grads records nothing and skips the all_reduce (pytorch#99174)."""
 
@@ -273,17 +319,20 @@ class SkipsCollectiveWithoutGrads(DeviceSplitGradScaler):
         return super()._agree(found)
 
 
+@mutant("drops_step_return_value", caught_by=["test_step_forwards_arguments_and_return_value"])
 class DropsStepReturnValue(DeviceSplitGradScaler):
     def step(self, optimizer, *args, **kwargs):
         super().step(optimizer, *args, **kwargs)
         return None
 
 
+@mutant("drops_step_arguments", caught_by=["test_step_forwards_arguments_and_return_value"])
 class DropsStepArguments(DeviceSplitGradScaler):
     def step(self, optimizer, *args, **kwargs):
         return super().step(optimizer)
 
 
+@mutant("setters_ignored", caught_by=["test_setters_take_effect"])
 class SettersIgnored(DeviceSplitGradScaler):
     def set_growth_interval(self, new_interval):
         pass
@@ -292,18 +341,21 @@ class SettersIgnored(DeviceSplitGradScaler):
         pass
 
 
+@mutant("no_init_check", caught_by=["test_misuse_raises_like_torch"])
 class NoInitCheck(DeviceSplitGradScaler):
     def _check_initialized(self, funcname):
         if self._scale_device is None:
             self._scale_device = torch.device("cpu")
 
 
+@mutant("empty_state_dict_accepted", caught_by=["test_misuse_raises_like_torch"])
 class EmptyStateDictAccepted(DeviceSplitGradScaler):
     def load_state_dict(self, state_dict):
         if state_dict:
             super().load_state_dict(state_dict)
 
 
+@mutant("scale_loses_structure", caught_by=["test_scale_multiplies_tensors_and_keeps_structure"])
 class ScaleLosesStructure(DeviceSplitGradScaler):
     def scale(self, outputs):
         if self._enabled and isinstance(outputs, tuple):
@@ -311,12 +363,16 @@ class ScaleLosesStructure(DeviceSplitGradScaler):
         return super().scale(outputs)
 
 
+@mutant("init_scale_ignored", caught_by=["test_enabled_scaler_reports_its_settings"],
+        matrix="small")
 class InitScaleIgnored(DeviceSplitGradScaler):
     def __init__(self, **kwargs):
         kwargs["init_scale"] = 2.0 ** 16
         super().__init__(**kwargs)
 
 
+@mutant("first_param_group_only", caught_by=["test_every_param_group_is_checked"],
+        matrix="small")  # the +inf sits in the last grad, in the second param group
 class FirstParamGroupOnly(DeviceSplitGradScaler):
     """Unscales and checks only optimizer.param_groups[0]."""
 
@@ -326,6 +382,7 @@ class FirstParamGroupOnly(DeviceSplitGradScaler):
         return super()._unscale_grads_(_FirstGroup)
 
 
+@mutant("scales_only_first_output", caught_by=["test_gradient_accumulation_over_several_backwards"])
 class ScalesOnlyFirstOutput(DeviceSplitGradScaler):
     """A second scale() before step() (gradient accumulation) returns the output unscaled."""
 
@@ -340,6 +397,8 @@ class ScalesOnlyFirstOutput(DeviceSplitGradScaler):
         super().update(new_scale)
 
 
+@mutant("agrees_only_in_step", caught_by=["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"],
+        matrix="small")  # the clipping path's unscale_ decides alone
 class AgreesOnlyInStep(DeviceSplitGradScaler):
     """An explicit unscale_ (the clipping path) decides alone; only step()'s own unscale agrees."""
 
@@ -364,6 +423,7 @@ class AgreesOnlyInStep(DeviceSplitGradScaler):
         return super()._agree(found)
 
 
+@mutant("agrees_for_first_optimizer_only", caught_by=["test_each_optimizer_agrees_across_ranks"])
 class AgreesForFirstOptimizerOnly(DeviceSplitGradScaler):
     def _agree(self, found):
         if len(self._per_optimizer_states) > 1:
@@ -371,6 +431,8 @@ class AgreesForFirstOptimizerOnly(DeviceSplitGradScaler):
         return super()._agree(found)
 
 
+@mutant("checks_first_list_chunk_only", caught_by=["test_an_overflow_anywhere_in_a_model_sized_problem_is_seen"],
+        matrix="wide")  # FSDP2 / use_orig_params: the +inf sits in grad 310 of the shard
 class ChecksFirstListChunkOnly(DeviceSplitGradScaler):
     """Only the first 48 grads of each (device, dtype) group are checked, the rest unscaled unchecked (a
     multi-tensor launch over one list chunk): invisible to problems of a handful of params."""
@@ -378,6 +440,8 @@ class ChecksFirstListChunkOnly(DeviceSplitGradScaler):
     _check_and_unscale = _checks_first(48)
 
 
+@mutant("checks_first_block_of_each_grad", caught_by=["test_an_overflow_anywhere_in_a_model_sized_problem_is_seen"],
+        matrix="wide")  # FSDP1 flat params: the +inf sits past element 65536 of the flat grad
 class ChecksFirstBlockOfEachGrad(DeviceSplitGradScaler):
     """Each grad is checked in its first 65536 elements only (one CUDA chunk); all of it is unscaled:
     invisible to grads of a few hundred elements."""
@@ -390,6 +454,8 @@ class ChecksFirstBlockOfEachGrad(DeviceSplitGradScaler):
             torch._foreach_mul_(tails, inv_scale)
 
 
+# Caught by the sequence test (test_sequences.py) only: each needs calls in an order no fixed schedule has.
+@mutant("unscale_marks_every_optimizer", caught_by=[SEQUENCES])
 class UnscaleMarksEveryOptimizer(DeviceSplitGradScaler):
     """An explicit unscale_ (the clipping path) of one optimizer counts for all (one flag per scaler, not per
     optimizer): another optimizer's step() then applies its grads still scaled, trusting the first's found_inf."""
@@ -419,6 +485,8 @@ class UnscaleMarksEveryOptimizer(DeviceSplitGradScaler):
         super().update(new_scale)
 
 
+# The sequence test catches this one, and a fixed check as well.
+@mutant("load_keeps_own_settings", caught_by=[SEQUENCES, "test_state_dict_round_trip_resumes_identically"])
 class LoadKeepsOwnSettings(DeviceSplitGradScaler):
     """load_state_dict restores the scale and the tracker only; growth and backoff factors and the interval
     stay what the resuming scaler was built with (checkpoint code that trusts its own config)."""
@@ -431,6 +499,7 @@ class LoadKeepsOwnSettings(DeviceSplitGradScaler):
         self._growth_factor, self._backoff_factor, self._growth_interval = own
 
 
+@mutant("update_counts_stepped_optimizers_only", caught_by=[SEQUENCES])  # the sequence test only
 class UpdateCountsSteppedOptimizersOnly(DeviceSplitGradScaler):
     """update() reads found_inf only from optimizers that stepped: an optimizer that was unscaled and saw
     inf but was not stepped this iteration (frozen, or stepped every other iteration) never backs off."""
@@ -443,6 +512,7 @@ class UpdateCountsSteppedOptimizersOnly(DeviceSplitGradScaler):
         super().update(new_scale)
 
 
+@mutant("tracker_counts_optimizer_steps", caught_by=[SEQUENCES])  # the sequence test only
 class TrackerCountsOptimizerSteps(DeviceSplitGradScaler):
     """The growth tracker counts clean optimizer steps, not clean updates: with two optimizers it runs
     twice as fast, and can jump past growth_interval and never grow again."""
@@ -455,6 +525,8 @@ class TrackerCountsOptimizerSteps(DeviceSplitGradScaler):
         super().update(new_scale)
 
 
+# The sequence test catches this one, and a fixed check as well.
+@mutant("clamps_scale_at_one", caught_by=[SEQUENCES, "test_scale_trajectory_matches_reference_model"])
 class ClampsScaleAtOne(DeviceSplitGradScaler):
     """update() never leaves the scale below 1.0 (a min_scale floor, as some trainers add): a backoff
     from 1 is refused and a scale that starts below 1 jumps up, so fp16 grads that need it overflow."""
@@ -465,99 +537,49 @@ class ClampsScaleAtOne(DeviceSplitGradScaler):
             self._set_scale(1.0)
 
 
-def _factory(cls):
-    def make(**kwargs):
-        return cls(**kwargs)
-    make.__name__ = make.__qualname__ = cls.__name__
-    return make
-
-
-# mutant factory name -> the test functions that must fail on it (at least one item each)
-EXPECTED = {
-    "no_agreement": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off",
-                     "test_ranks_keep_scale_in_lockstep", "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"],
-    "world_group": ["test_agreement_uses_the_given_process_group"],
-    "backoff_only_if_exactly_one": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"],
-    "grows_one_step_late": ["test_growth_after_exactly_growth_interval_clean_steps",
-                            "test_scale_trajectory_matches_reference_model"],
-    "tracker_not_reset_on_backoff": ["test_scale_trajectory_matches_reference_model"],
-    "state_dict_forgets_tracker": ["test_state_dict_round_trip_resumes_identically"],
-    "unscales_twice": ["test_unscale_then_clip_then_step_unscales_once"],
-    "misses_nan": ["test_inf_or_nan_skips_step_and_backs_off"],
-    "misses_negative_inf": ["test_inf_or_nan_skips_step_and_backs_off"],
-    "checks_first_grad_only": ["test_inf_or_nan_skips_step_and_backs_off"],
-    "skips_low_precision_check": ["test_inf_or_nan_skips_step_and_backs_off"],
-    "leaves_half_grads_scaled": ["test_clean_step_unscales_exactly_and_steps"],
-    "steps_on_inf": ["test_inf_or_nan_skips_step_and_backs_off"],
-    "hardcoded_growth_factor": ["test_growth_after_exactly_growth_interval_clean_steps"],
-    "backoff_is_inverse_growth": ["test_scale_trajectory_matches_reference_model"],
-    "grows_to_inf": ["test_growth_never_overflows_to_inf"],
-    "stale_scale_after_backoff": ["test_inf_or_nan_skips_step_and_backs_off"],
-    "ignores_sparse_grads": ["test_sparse_grads"],
-    "allows_step_twice": ["test_misuse_raises_like_torch"],
-    "allows_unscale_twice": ["test_misuse_raises_like_torch"],
-    "disabled_still_scales": ["test_disabled_scaler_is_a_pass_through"],
-    "backs_off_per_optimizer": ["test_two_optimizers_skip_independently_back_off_once"],
-    "one_inf_skips_every_optimizer": ["test_two_optimizers_skip_independently_back_off_once"],
-    "ignores_new_scale": ["test_update_with_new_scale"],
-    "skips_collective_without_grads": ["test_rank_without_grads_takes_part"],
-    "drops_step_return_value": ["test_step_forwards_arguments_and_return_value"],
-    "drops_step_arguments": ["test_step_forwards_arguments_and_return_value"],
-    "setters_ignored": ["test_setters_take_effect"],
-    "no_init_check": ["test_misuse_raises_like_torch"],
-    "empty_state_dict_accepted": ["test_misuse_raises_like_torch"],
-    "scale_loses_structure": ["test_scale_multiplies_tensors_and_keeps_structure"],
-    "init_scale_ignored": ["test_enabled_scaler_reports_its_settings"],
-    "first_param_group_only": ["test_every_param_group_is_checked"],
-    "scales_only_first_output": ["test_gradient_accumulation_over_several_backwards"],
-    "agrees_only_in_step": ["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"],
-    "agrees_for_first_optimizer_only": ["test_each_optimizer_agrees_across_ranks"],
-    "ignores_d_tensor_grads": ["test_fsdp2_dtensor_grads_agree_across_ranks"],
-    "checks_first_list_chunk_only": ["test_an_overflow_anywhere_in_a_model_sized_problem_is_seen"],
-    "checks_first_block_of_each_grad": ["test_an_overflow_anywhere_in_a_model_sized_problem_is_seen"],
-    # sequences (test_sequences.py): each needs calls in an order no fixed schedule has
-    "unscale_marks_every_optimizer": [SEQUENCES],
-    "update_counts_stepped_optimizers_only": [SEQUENCES],
-    "tracker_counts_optimizer_steps": [SEQUENCES],
-    # these two the fixed checks catch as well
-    "load_keeps_own_settings": [SEQUENCES, "test_state_dict_round_trip_resumes_identically"],
-    "clamps_scale_at_one": [SEQUENCES, "test_scale_trajectory_matches_reference_model"],
-}
-
-_CLASSES = {re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower().replace("na_n", "nan"): cls
-            for cls in DeviceSplitGradScaler.__subclasses__() if cls.__module__ == __name__}
-assert set(_CLASSES) == set(EXPECTED)
-globals().update({name: _factory(cls) for name, cls in _CLASSES.items()})
-
-
-# ------------------------------------------------------------------ broken FSDP wrappers (--fsdp)
-
-def _sum_hook(state, grad, output=None):
-    """An FSDP1 comm hook that reduces by SUM and never divides by the world size."""
-    import torch.distributed as dist
-
-    if output is None:  # NO_SHARD strategies pass only grad
-        dist.all_reduce(grad)
-    else:
-        dist.reduce_scatter_tensor(output, grad)
-
-
-def _fsdp1_with_one_defect(wrapper):
-    """Declared as FSDP1 is (what it needs of the machine, ...): only the planted defect differs."""
-    from tests.matrix import implementations
-
-    fsdp1 = implementations.fsdp1
-    return implementations.declare(needs=fsdp1.needs, loss_on_param_device=fsdp1.loss_on_param_device,
-                                   low_precision_grads=fsdp1.low_precision_grads)(wrapper)
-
-
-@_fsdp1_with_one_defect
-def fsdp1_sums_grads(module, settings):
-    """FSDP1 whose gradient reduction forgets the 1/world_size average (a custom comm hook)."""
-    import torch.distributed as dist
-
-    from tests.matrix import implementations
-
-    model = implementations.fsdp1(module, settings)
-    model.register_comm_hook(dist.group.WORLD, _sum_hook)
-    return model
+# The factories, by the names the specs use (`--scaler tests.planted.scalers:<name>`): each is its class's
+# @mutant name (tests/meta/test_planted.py checks that every name resolves to the factory registered under it).
+no_agreement = NoAgreement.factory
+world_group = WorldGroup.factory
+backoff_only_if_exactly_one = BackoffOnlyIfExactlyOne.factory
+grows_one_step_late = GrowsOneStepLate.factory
+tracker_not_reset_on_backoff = TrackerNotResetOnBackoff.factory
+state_dict_forgets_tracker = StateDictForgetsTracker.factory
+unscales_twice = UnscalesTwice.factory
+misses_nan = MissesNaN.factory
+misses_negative_inf = MissesNegativeInf.factory
+checks_first_grad_only = ChecksFirstGradOnly.factory
+skips_low_precision_check = SkipsLowPrecisionCheck.factory
+leaves_half_grads_scaled = LeavesHalfGradsScaled.factory
+steps_on_inf = StepsOnInf.factory
+hardcoded_growth_factor = HardcodedGrowthFactor.factory
+backoff_is_inverse_growth = BackoffIsInverseGrowth.factory
+grows_to_inf = GrowsToInf.factory
+stale_scale_after_backoff = StaleScaleAfterBackoff.factory
+ignores_sparse_grads = IgnoresSparseGrads.factory
+ignores_d_tensor_grads = IgnoresDTensorGrads.factory
+allows_step_twice = AllowsStepTwice.factory
+allows_unscale_twice = AllowsUnscaleTwice.factory
+disabled_still_scales = DisabledStillScales.factory
+backs_off_per_optimizer = BacksOffPerOptimizer.factory
+one_inf_skips_every_optimizer = OneInfSkipsEveryOptimizer.factory
+ignores_new_scale = IgnoresNewScale.factory
+skips_collective_without_grads = SkipsCollectiveWithoutGrads.factory
+drops_step_return_value = DropsStepReturnValue.factory
+drops_step_arguments = DropsStepArguments.factory
+setters_ignored = SettersIgnored.factory
+no_init_check = NoInitCheck.factory
+empty_state_dict_accepted = EmptyStateDictAccepted.factory
+scale_loses_structure = ScaleLosesStructure.factory
+init_scale_ignored = InitScaleIgnored.factory
+first_param_group_only = FirstParamGroupOnly.factory
+scales_only_first_output = ScalesOnlyFirstOutput.factory
+agrees_only_in_step = AgreesOnlyInStep.factory
+agrees_for_first_optimizer_only = AgreesForFirstOptimizerOnly.factory
+checks_first_list_chunk_only = ChecksFirstListChunkOnly.factory
+checks_first_block_of_each_grad = ChecksFirstBlockOfEachGrad.factory
+unscale_marks_every_optimizer = UnscaleMarksEveryOptimizer.factory
+load_keeps_own_settings = LoadKeepsOwnSettings.factory
+update_counts_stepped_optimizers_only = UpdateCountsSteppedOptimizersOnly.factory
+tracker_counts_optimizer_steps = TrackerCountsOptimizerSteps.factory
+clamps_scale_at_one = ClampsScaleAtOne.factory

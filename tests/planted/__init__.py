@@ -1,0 +1,19 @@
+"""Every planted defect of the suite, apart from the suites that must catch them.
+
+`scalers.py`: mutant scalers (`--scaler tests.planted.scalers:<name>`); `wrappers.py`: broken FSDP wrappers
+(`--fsdp tests.planted.wrappers:<name>`). Each is declared where it is written (`@mutant`, `@broken_wrapper`:
+registry.py); the tables the meta-tests read are derived here from those declarations.
+"""
+from tests.planted import scalers, wrappers  # noqa: F401  (importing them registers their defects)
+from tests.planted.registry import REGISTERED_SCALERS, REGISTERED_WRAPPERS
+
+SCALERS = {m.name: m for m in REGISTERED_SCALERS}  # mutant name -> Mutant
+WRAPPERS = {w.name: w for w in REGISTERED_WRAPPERS}  # broken wrapper name -> BrokenWrapper
+
+# mutant name -> the test functions that must fail on it (tests/meta/test_mutants.py, test_tables.py)
+EXPECTED = {name: list(m.caught_by) for name, m in SCALERS.items() if m.caught_by}
+
+
+def matrix_mutants(role: str) -> list[str]:
+    """The mutants the matrix teeth must see fail (tests/meta/test_teeth.py): role "small" or "wide"."""
+    return [name for name, m in SCALERS.items() if m.matrix == role]

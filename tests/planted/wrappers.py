@@ -1,0 +1,33 @@
+"""The planted broken FSDP wrappers: a built-in with one defect a user's wrapper could have.
+
+Use one with `--fsdp tests.planted.wrappers:<name>`; tests/meta/test_teeth.py checks that each fails matrix
+cells where the built-in wrappers, plugged the same way, pass.
+"""
+import torch.distributed as dist
+
+from tests.matrix import implementations
+from tests.planted.registry import broken_wrapper
+
+
+def _sum_hook(state, grad, output=None):
+    """An FSDP1 comm hook that reduces by SUM and never divides by the world size."""
+    if output is None:  # NO_SHARD strategies pass only grad
+        dist.all_reduce(grad)
+    else:
+        dist.reduce_scatter_tensor(output, grad)
+
+
+def _fsdp1_with_one_defect(wrapper):
+    """Declared as FSDP1 is (what it needs of the machine, ...): only the planted defect differs."""
+    fsdp1 = implementations.fsdp1
+    return implementations.declare(needs=fsdp1.needs, loss_on_param_device=fsdp1.loss_on_param_device,
+                                   low_precision_grads=fsdp1.low_precision_grads)(wrapper)
+
+
+@broken_wrapper("fsdp1_sums_grads")  # reduces by SUM, no 1/world_size average
+@_fsdp1_with_one_defect
+def fsdp1_sums_grads(module, settings):
+    """FSDP1 whose gradient reduction forgets the 1/world_size average (a custom comm hook)."""
+    model = implementations.fsdp1(module, settings)
+    model.register_comm_hook(dist.group.WORLD, _sum_hook)
+    return model
