@@ -2,18 +2,18 @@
 
 Every test that takes a `scaler` argument runs once per scaler under test (the built-ins, or the
 `--scaler` specs); known upstream bugs become strict xfails and timing-dependent cells skips, both
-decided by the tables in tests/scalers.py.
+decided by tests/expectations.py from the table in tests/known_bugs.py.
 """
 import pathlib
 
 import pytest
-import torch
 from hypothesis import Phase, settings
 
 from tests import options, xfails
 from tests.harness import ranks
 from tests.matrix import implementations
-from tests.scalers import BUILTINS, known_bug, repro_bug, resolve, skip_reason, spec_id
+from tests.expectations import Machine, ReproOf, expectation
+from tests.scalers import BUILTINS, resolve, spec_id
 
 # the suite's options (also named by pytest.ini's addopts, so that pytest knows them before it reads the command
 # line: tests/options.py says why), the compatibility report at the end of every run, child runs
@@ -88,47 +88,25 @@ def _names_meta(arg: str, config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    cuda = torch.cuda.is_available()
-    theirs = config.stash.get(xfails.ENTRIES, [])
+    """Every check's expectation (tests/expectations.py), applied here and nowhere else."""
+    machine, entries = Machine.here(), config.stash.get(xfails.ENTRIES, [])
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if "scaler" not in params:
-            _their_xfail(item, theirs)
-            continue
-        spec = params["scaler"]
-        bug = known_bug(spec, item.originalname, params, cuda)
-        anywhere = known_bug(spec, item.originalname, params, cuda, any_version=True)
-        timing = skip_reason(spec, item.originalname, params, cuda)
-        repro = item.get_closest_marker("repro_of")
-        if repro and not anywhere:  # a repro case: the bugs it shows, by id; the placement it races at, if any
-            try:
-                bug, anywhere = repro_bug(spec, repro.args), repro_bug(spec, repro.args, any_version=True)
-            except ValueError as exc:
-                raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
-            placement = repro.kwargs.get("placement")
-            timing = placement and skip_reason(spec, item.originalname, {"placement": placement}, cuda)
-            # the case shows its bug whatever the race (its author checked it on the GPU)
-            beats_now = beats_any = anywhere is not None
-        else:
-            beats_now, beats_any = bool(bug and bug.beats_race), bool(anywhere and anywhere.beats_race)
-        if timing and not beats_now:
-            item.add_marker(pytest.mark.skip(reason=timing))
-        elif bug:
-            item.add_marker(pytest.mark.xfail(strict=True, reason=bug.reason))
-            item.user_properties.append(("bug", bug.id))
-        else:
-            _their_xfail(item, theirs)
-        # the known bug of this check on any version: the version table tells "fixed here" from "never hit"
-        if anywhere and not (timing and not beats_any):
-            item.user_properties.append(("bug_any_version", anywhere.id))
-
-
-def _their_xfail(item, entries) -> None:
-    """The consumer's --xfails-file: a strict xfail where a built-in known bug did not already decide."""
-    entry = xfails.find(entries, item.nodeid)
-    if entry:
-        item.add_marker(pytest.mark.xfail(strict=True, reason=f"{entry.reason} (--xfails-file line {entry.line})"))
-        item.user_properties.append(("xfails_file", entry.check))
+        mark = item.get_closest_marker("repro_of")
+        repro_of = mark and ReproOf(mark.args, mark.kwargs.get("placement"), mark.kwargs.get("needs"))
+        try:
+            expected = expectation(params.get("scaler"), item.originalname, params, machine=machine,
+                                   repro_of=repro_of, their_entry=xfails.find(entries, item.nodeid))
+        except ValueError as exc:
+            raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
+        if expected.skip:
+            item.add_marker(pytest.mark.skip(reason=expected.skip))
+        elif expected.xfail:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=expected.xfail))
+        # the report's record of the check (tests/records.py Record): which bug or entry it xfails on
+        item.user_properties += [(name, value) for name, value in (
+            ("bug", expected.bug), ("xfails_file", expected.xfails_file),
+            ("bug_any_version", expected.bug_any_version)) if value]
 
 
 def pytest_unconfigure(config):

@@ -18,6 +18,7 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
 import conftest  # noqa: E402,F401  (registers the Hypothesis profiles)
 from tests.conformance import test_sequences  # noqa: E402
+from tests.conformance.calls import Backward  # noqa: E402
 from tests.harness import shutdown_pools  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def main():
 
     # the pool's start-up is not the test's speed: one sequence first, off the clock
     test_sequences.check_sequence(args.scaler, args.placement, dict(init_scale=2.0, growth_factor=2.0, backoff_factor=0.5,
-                                  growth_interval=1, n_optimizers=1), [{"op": "backward"}], [{}])
+                                  growth_interval=1, n_optimizers=1), [Backward()], [{}])
     budget = settings(settings.get_profile("ci"), max_examples=args.examples, stateful_step_count=args.steps,
                       deadline=None, suppress_health_check=[HealthCheck.too_slow])
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 #   ci/gpu.sh OUT_DIR [extra pytest args]
 # 1 GPU: multi-rank cases run as gloo ranks sharing it; >= 2 GPUs: NCCL, one GPU per rank (the
 # harness picks per test). Exits non-zero on any unexpected outcome: a failure, an error, or a
-# strict xfail that passed (an upstream fix: update tests/scalers.py KNOWN_BUGS).
+# strict xfail that passed (an upstream fix: update tests/known_bugs.py KNOWN_BUGS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: ci/gpu.sh OUT_DIR [pytest args]}"
@@ -15,7 +15,7 @@ if [ "$GPUS" -eq 0 ]; then
   exit 2
 fi
 CORES=$(nproc)
-# CUDA contexts the rank pools may keep on one GPU across workers (tests/harness/ranks.py: GPU memory
+# CUDA contexts the rank pools may keep on one GPU across workers (tests/harness/budget.py: GPU memory
 # over CONTEXT_GIB, or FSDP_AMP_GPU_CONTEXTS); a worker's pools hold up to 1 + 2 + 4 of them at once
 CONTEXTS=$(python3 -c "from tests.harness.ranks import context_budget; print(context_budget(0))")
 # one xdist worker per 2 cores, at most 8 (more did not help: 14 on 16 cores was slower), and no more

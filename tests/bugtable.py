@@ -1,5 +1,5 @@
-"""The README's table of known upstream bugs, generated from KNOWN_BUGS (tests/scalers.py) and the
-`@pytest.mark.repro_of(...)` marks of the repro cases (tests/repro/test_*.py).
+"""The README's table of known upstream bugs, generated from KNOWN_BUGS (tests/known_bugs.py) and the
+`repro_of` marks that `@case` sets on the repro cases (tests/repro/test_*.py).
 
     python -m tests.bugtable                     print the table (Markdown)
     python -m tests.bugtable --write README.md   replace the table between the two marker lines
@@ -21,7 +21,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.scalers import BUILTINS, KNOWN_BUGS, KnownBug
+from tests import known_bugs
+from tests.known_bugs import KNOWN_BUGS, KnownBug
+from tests.scalers import BUILTINS
 
 REPO = Path(__file__).resolve().parents[1]
 REPRO_DIR = REPO / "tests" / "repro"
@@ -39,7 +41,7 @@ class MarkersMissing(ValueError):
 
 @dataclass(frozen=True)
 class ReproMark:
-    """One repro case's `@pytest.mark.repro_of(...)`: the bugs (KNOWN_BUGS ids) it shows."""
+    """One repro case's `repro_of` mark (set by `@case`): the bugs (KNOWN_BUGS ids) it shows."""
     file: str  # relative to the repository root: tests/repro/test_x.py
     test: str  # the test function
     ids: tuple  # the mark's ids, in its order (the first is the case's own bug)
@@ -99,7 +101,7 @@ def repro_files(bug_id: str, marks: list[ReproMark]) -> tuple:
 
 
 def row(bug: KnownBug, marks: list[ReproMark]) -> Row:
-    hits = () if bug.scalers is None else tuple(s for s in BUILTINS if s in bug.scalers)
+    hits = () if bug.scalers is known_bugs.EVERY_SCALER else tuple(s for s in BUILTINS if s in bug.scalers)
     return Row(bug.id, bug.title, hits, bug.torch, bug.fairscale, repro_files(bug.id, marks))
 
 

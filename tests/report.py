@@ -20,7 +20,8 @@ import pytest
 
 from tests import versions, xfails
 from tests.records import OUTCOMES, Bug, Cell, Record, Report, Unmatched, heading, table
-from tests.scalers import BUILTINS, KNOWN_BUGS
+from tests.known_bugs import KNOWN_BUGS
+from tests.scalers import BUILTINS
 
 # the order of the scaler checks' columns (each named by its module's REPORT_COLUMN; "repro": tests/repro);
 # a column not named here comes after these, by name

@@ -1,6 +1,6 @@
 """The versions this run is on, and version specifiers for the facts that hold only on some of them.
 
-Every known bug (tests/scalers.py KNOWN_BUGS) and every version-dependent skip names the torch (and
+Every known bug (tests/known_bugs.py KNOWN_BUGS) and every version-dependent skip names the torch (and
 fairscale) versions it holds for as a PEP 440 specifier (`packaging.specifiers.SpecifierSet`): a bug
 fixed in torch N is `torch="<N"`, so on N its checks are expected to pass. Local version labels
 (`2.11.0+cu130`) and pre-releases are compared by their release: `2.11.0+cu130` is in `==2.11.*`.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from importlib import metadata
+from typing import Mapping
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -23,16 +24,22 @@ def installed(package: str) -> Version | None:
         return None
 
 
-def holds(torch: str | SpecifierSet = "", fairscale: str | SpecifierSet = "") -> bool:
-    """Do the installed torch and fairscale satisfy these specifiers? (an empty one: any version)"""
+def holds(torch: str | SpecifierSet = "", fairscale: str | SpecifierSet = "", on: Mapping | None = None) -> bool:
+    """Do torch and fairscale satisfy these specifiers (an empty one: any version)? `on`: the versions to ask
+    about, {package: Version or None}, as `here()` gives them; default the installed ones."""
     for package, spec in (("torch", torch), ("fairscale", fairscale)):
         spec = SpecifierSet(str(spec))
         if not str(spec):
             continue
-        version = installed(package)
+        version = installed(package) if on is None else on.get(package)
         if version is None or not spec.contains(version, prereleases=True):
             return False
     return True
+
+
+def here() -> dict:
+    """The installed versions that known bugs and skips are decided on: {package: Version or None}."""
+    return {package: installed(package) for package in ("torch", "fairscale")}
 
 
 def describe() -> dict:

@@ -1,6 +1,6 @@
 """A consumer's own known bugs: `--xfails-file PATH`, for a plugged --scaler or --fsdp.
 
-The built-ins' known bugs live in KNOWN_BUGS (tests/scalers.py); a team that plugs its own scaler or
+The built-ins' known bugs live in KNOWN_BUGS (tests/known_bugs.py); a team that plugs its own scaler or
 wrapper keeps its own in a file (the Array API test suite's --xfails-file), so its first run is green
 until something outside the file breaks, and the day it fixes one the run says so:
 

@@ -37,11 +37,19 @@ def placement_params(names=None):
             for n in names]
 
 
-def harness_device(placement: str, world_size: int) -> str:
+def device_mode(placement: str, world_size: int) -> str:
     """The rank harness's device mode for a placement: CPU, NCCL on one GPU, or gloo ranks sharing it."""
     if PLACEMENTS[placement]["scaler"] == "cpu":
         return "cpu"
     return "cuda" if world_size == 1 else "cuda-shared"
+
+
+def run_at(placement: str, body, *args, world_size: int = 1, timeout: float = 60) -> list:
+    """run_on_ranks for a check of this placement: every rank's result."""
+    from tests.harness import run_on_ranks  # the harness imports nothing of the problem; ranks import this module
+
+    return run_on_ranks(body, *args, world_size=world_size, device=device_mode(placement, world_size),
+                        timeout=timeout)
 
 
 def _device(kind: str) -> torch.device:

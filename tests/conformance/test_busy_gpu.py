@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import Problem, build_scaler, equal_lists, harness_device, placement_params, sgd
+from tests.conformance.problem import Problem, build_scaler, equal_lists, device_mode, placement_params, sgd
 from tests.harness import run_on_ranks
 
 pytestmark = [pytest.mark.conformance, pytest.mark.gpu]
@@ -60,7 +60,7 @@ def _busy_trials(spec, placement, bad, trials):
 @pytest.mark.parametrize("placement", placement_params(["offload", "mixed", "cuda"]))
 def test_busy_gpu_cpu_grads_are_unscaled_and_checked(scaler, placement, bad, world_size):
     out = run_on_ranks(_busy_trials, scaler, placement, bad, 20, world_size=world_size,
-                       device=harness_device(placement, world_size), timeout=120)
+                       device=device_mode(placement, world_size), timeout=120)
     for rank, trials in enumerate(out):
         for t, trial in enumerate(trials):
             where = f"rank {rank}, trial {t}"

@@ -9,18 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_lists, harness_device, placement_params,
-                                       reference_scales, run_steps, sgd, step_with_rank1_without_grads)
+from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_lists, placement_params,
+                                       reference_scales, run_at, run_steps, sgd, step_with_rank1_without_grads)
 from tests.harness import RankHung, run_on_ranks
 
 pytestmark = pytest.mark.conformance
 REPORT_COLUMN = "across ranks"  # the compatibility report's column for these checks (tests/report.py)
 
 PLACEMENTS = placement_params(["cpu", "cuda", "offload", "cpu_loss", "mixed"])
-
-
-def run2(body, *args, placement="cpu", timeout=60):
-    return run_on_ranks(body, *args, world_size=2, device=harness_device(placement, 2), timeout=timeout)
 
 
 def _one_step(spec, placement, bad_ranks, value, explicit_unscale=False):
@@ -44,7 +40,7 @@ def _one_step(spec, placement, bad_ranks, value, explicit_unscale=False):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_inf_on_some_ranks_makes_every_rank_skip_and_back_off(scaler, placement, bad_ranks, value,
                                                               explicit_unscale):
-    out = run2(_one_step, scaler, placement, bad_ranks, value, explicit_unscale, placement=placement)
+    out = run_at(placement, _one_step, scaler, placement, bad_ranks, value, explicit_unscale, world_size=2)
     assert [o["stepped"] for o in out] == [False, False], f"inf/NaN on ranks {bad_ranks}: every rank must skip"
     assert [o["scale"] for o in out] == [64.0, 64.0], "every rank must back off exactly once (256 * 0.25)"
 
@@ -55,7 +51,7 @@ def _clean_step(spec, placement):
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_clean_ranks_all_step_and_keep_their_scale(scaler, placement):
-    out = run2(_clean_step, scaler, placement, placement=placement)
+    out = run_at(placement, _clean_step, scaler, placement, world_size=2)
     assert [o["stepped"] for o in out] == [True, True] and [o["scale"] for o in out] == [256.0, 256.0]
 
 
@@ -71,7 +67,7 @@ def _lockstep(spec, placement, pattern):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_ranks_keep_scale_in_lockstep(scaler, placement):
     pattern = [(), (1,), (), (), (0,), (), (0, 1), (), (), (), (1,), (), ()]
-    out = run2(_lockstep, scaler, placement, pattern, placement=placement)
+    out = run_at(placement, _lockstep, scaler, placement, pattern, world_size=2)
     want = reference_scales(512.0, 2.0, 0.5, 2, [bool(b) for b in pattern])
     assert out[0] == out[1], "ranks ended up with different scales: they will diverge"
     assert out[0] == want
@@ -92,7 +88,7 @@ def _two_optimizers_on_ranks(spec, placement):
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_each_optimizer_agrees_across_ranks(scaler, placement):
-    out = run2(_two_optimizers_on_ranks, scaler, placement, placement=placement)
+    out = run_at(placement, _two_optimizers_on_ranks, scaler, placement, world_size=2)
     assert [o["stepped"] for o in out] == [[True, False], [True, False]], "b skips on every rank, a steps"
     assert [o["scale"] for o in out] == [128.0, 128.0]
 
@@ -100,7 +96,7 @@ def test_each_optimizer_agrees_across_ranks(scaler, placement):
 @pytest.mark.parametrize("bad", [False, True], ids=["clean", "inf_on_rank0"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_rank_without_grads_takes_part(scaler, placement, bad):
-    out = run2(step_with_rank1_without_grads, scaler, placement, bad, placement=placement, timeout=20)
+    out = run_at(placement, step_with_rank1_without_grads, scaler, placement, bad, world_size=2, timeout=20)
     assert out[0]["stepped"] is (not bad) and out[1]["stepped"] is False  # rank 1 has nothing to step
     assert out[0]["scale"] == out[1]["scale"] == (128.0 if bad else 256.0)
 
@@ -123,7 +119,7 @@ def _own_group(spec, placement):
 @pytest.mark.parametrize("placement", placement_params(["cpu", "offload"]))
 def test_agreement_uses_the_given_process_group(scaler, placement):
     """Each rank alone in its group: rank 1's inf must not reach rank 0 through WORLD."""
-    out = run2(_own_group, scaler, placement, placement=placement)
+    out = run_at(placement, _own_group, scaler, placement, world_size=2)
     assert out[0] == dict(stepped=True, scale=256.0), "rank 0's group saw no inf"
     assert out[1] == dict(stepped=False, scale=128.0)
 
@@ -145,9 +141,9 @@ def test_unmatched_step_surfaces_as_a_hang_in_bounded_time(scaler, placement):
     # the same step on every rank first (matched, so no hang): the first optimizer step of a process imports
     # torch._dynamo (and triton with a CUDA build: 6 s alone, over 15 s on a loaded 2-core runner), and the
     # short timeout below must time the mismatch, not first-use imports
-    run2(_some_ranks_step, scaler, placement, (0, 1), placement=placement)
+    run_at(placement, _some_ranks_step, scaler, placement, (0, 1), world_size=2)
     with pytest.raises(RankHung, match="rank"):
-        run2(_some_ranks_step, scaler, placement, (0,), placement=placement, timeout=15)  # rank 1 skips
+        run_at(placement, _some_ranks_step, scaler, placement, (0,), world_size=2, timeout=15)  # rank 1 skips
 
 
 @pytest.mark.multigpu

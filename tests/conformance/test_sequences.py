@@ -12,7 +12,8 @@ can see, and the controller checks it against the model, call by call:
     step applies, else not at all; after a clean unscale_: the grads are exactly unscaled.
 A failure names the first call that went wrong and prints the shrunk sequence as a list of calls,
 and the command that replays exactly it:
-    python tests/conformance/test_sequences.py --scaler SPEC --placement P --sequence '<json>'
+    python -m tests.conformance.test_sequences --scaler SPEC --placement P --sequence '<json>'
+The calls themselves, each with its rank side, model side and words, are calls.py.
 CI runs the "ci" Hypothesis profile (derandomized, a fixed budget); `--hypothesis-profile=deep` runs
 many more and longer sequences (conftest.py registers both).
 """
@@ -24,24 +25,20 @@ import shlex
 import sys
 
 import pytest
-import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-if __name__ == "__main__":  # script mode: the repository root on the path, as pytest's pythonpath does
-    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
-
-from tests.conformance.problem import INF_VALUES, Problem, ScalerModel, build_scaler, harness_device, placement_params
-from tests.harness import run_on_ranks
+from tests.conformance.calls import (N_PARAMS, Backward, Overflow, Rank, Resume, Step, Unscale, Update, advance,
+                                     as_data, from_data)
+from tests.conformance.problem import INF_VALUES, ScalerModel, placement_params, run_at
 
 pytestmark = pytest.mark.conformance
 REPORT_COLUMN = "sequences"  # the compatibility report's column for these checks (tests/report.py)
 
 WORLD_SIZE = 2
-N_PARAMS = 4  # one optimizer: all four; two: params 0-1 and 2-3
-LR = 0.5  # SGD without momentum: a step moves p by exactly -LR * grad (all values are dyadic and small)
+PLACEMENTS = ["cpu", "cuda", "offload", "mixed"]
 # float32 powers of two: below 1 (backoffs go under it), ordinary, and at the top (a growth would be inf)
 INIT_SCALES = (1.0, 2.0**-3, 2.0**8, 2.0**16, 2.0**126, 2.0**127)
 NEW_SCALES = (2.0**-2, 2.0**3, 2.0**20)
@@ -53,92 +50,21 @@ MIN_SCALE_FOR_OVERFLOW = 2.0**-100
 MAX_BACKWARDS = 2
 
 
-def _owner(param: int, n_optimizers: int) -> int:
-    return 0 if n_optimizers == 1 else param * 2 // N_PARAMS
-
-
 # ------------------------------------------------------------------ on every rank: run one sequence
 
-def run_sequence(spec: str, placement: str, config: dict, sequence: list[dict]) -> list[dict]:
+def run_sequence(spec: str, placement: str, config: dict, sequence: list) -> list[dict]:
     """Runs on a rank: the calls of `sequence` on a fresh problem and scaler; what was seen after each."""
     rank = dist.get_rank()
-    pb = Problem(placement, n_params=N_PARAMS, seed_offset=rank)  # each rank its own shard
-    n_opt = config["n_optimizers"]
-    groups = [[p for i, p in enumerate(pb.params) if _owner(i, n_opt) == o] for o in range(n_opt)]
-    opts = [torch.optim.SGD(g, lr=LR) for g in groups]
-    settings_ = {k: config[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
-    scaler = build_scaler(spec, pb, **settings_)
-    backwards, seen = 0, []
+    r, seen = Rank(spec, placement, config, rank), []
     for i, call in enumerate(sequence):
-        op, fact = call["op"], {}
         try:
-            if op == "backward":
-                if backwards == 0:
-                    pb.zero_grad()
-                bad = call.get("bad")
-                inject = {}
-                if bad and bad["rank"] == rank:
-                    n = pb.params[bad["param"]].numel()
-                    inject = {bad["param"]: (0 if bad["element"] == "first" else n - 1, INF_VALUES[bad["value"]])}
-                _backward(pb, scaler, inject)
-                backwards += 1
-            elif op == "unscale_":
-                scaler.unscale_(opts[call["opt"]])
-                fact["exact"] = all(torch.equal(p.grad.cpu(), backwards * c.cpu())
-                                    for p, c in zip(pb.params, pb.targets) if _in(p, groups[call["opt"]]))
-            elif op == "step":
-                params = groups[call["opt"]]
-                before = [p.detach().cpu().clone() for p in params]
-                targets = [c.cpu() for p, c in zip(pb.params, pb.targets) if _in(p, params)]
-                scaler.step(opts[call["opt"]])
-                after = [p.detach().cpu() for p in params]
-                fact["moved"] = ("not at all" if all(torch.equal(a, b) for a, b in zip(after, before)) else
-                                 "exactly by -lr * unscaled grad"
-                                 if all(torch.equal(a, b - LR * backwards * c) for a, b, c in zip(after, before, targets))
-                                 else "wrongly")
-            elif op == "update":
-                scaler.update(call.get("new_scale"))
-                backwards = 0
-            elif op == "resume":
-                saved = scaler.state_dict()
-                scaler = build_scaler(spec, pb)  # the defaults: load_state_dict must restore every setting
-                scaler.load_state_dict(saved)
-            fact["scale"] = float(scaler.get_scale())  # after every call: only update() may change them
-            fact["tracker"] = int(scaler.state_dict()["_growth_tracker"])
+            seen.append(dict(call.on_rank(r), **r.seen()))
         except Exception as exc:
-            raise RuntimeError(f"call {i} ({describe(call)}) raised on rank {rank}: {type(exc).__name__}: {exc}") from exc
-        seen.append(fact)
+            raise RuntimeError(f"call {i} ({call.describe()}) raised on rank {rank}: {type(exc).__name__}: {exc}") from exc
     return seen
 
 
-def _in(p, params) -> bool:
-    return any(p is q for q in params)
-
-
-def _backward(pb: Problem, scaler, inject: dict) -> None:
-    """A scaled backward that accumulates into .grad, then one element of a grad overwritten (an overflow)."""
-    scaler.scale(pb.loss()).backward()
-    with torch.no_grad():
-        for i, (element, value) in inject.items():
-            pb.params[i].grad.view(-1)[element] = value
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # an idle GPU at step(), as in problem.Problem.backward
-
-
 # ------------------------------------------------------------------ the controller: model vs ranks
-
-def describe(call: dict) -> str:
-    op = call["op"]
-    if op == "backward":
-        bad = call.get("bad")
-        return "backward()" if not bad else (f"backward() with {bad['value']} in the {bad['element']} element of "
-                                             f"grad {bad['param']} on rank {bad['rank']}")
-    if op in ("unscale_", "step"):
-        return f"{op}(optimizer {call['opt']})"
-    if op == "update":
-        return "update()" if call.get("new_scale") is None else f"update(new_scale={call['new_scale']!r})"
-    return "state_dict() -> a scaler built with the defaults -> load_state_dict()"
-
 
 def first_divergence(expected: list[dict], seen: list[list[dict]]) -> tuple[int, str] | None:
     """The first call where a rank saw other than the model says: (its index, a sentence); None if none."""
@@ -152,46 +78,32 @@ def first_divergence(expected: list[dict], seen: list[list[dict]]) -> tuple[int,
     return None
 
 
-def replay_command(spec: str, placement: str, config: dict, sequence: list[dict]) -> str:
-    return shlex.join(["python", "tests/conformance/test_sequences.py", "--scaler", spec, "--placement", placement,
-                       "--sequence", json.dumps({"config": config, "calls": sequence})])
+def replay_command(spec: str, placement: str, config: dict, sequence: list) -> str:
+    calls = [as_data(c) for c in sequence]
+    return shlex.join(["python", "-m", "tests.conformance.test_sequences", "--scaler", spec, "--placement", placement,
+                       "--sequence", json.dumps({"config": config, "calls": calls})])
 
 
-def check_sequence(spec: str, placement: str, config: dict, sequence: list[dict], expected: list[dict]) -> None:
-    seen = run_on_ranks(run_sequence, spec, placement, config, sequence, world_size=WORLD_SIZE,
-                        device=harness_device(placement, WORLD_SIZE), timeout=60)
+def check_sequence(spec: str, placement: str, config: dict, sequence: list, expected: list[dict]) -> None:
+    seen = run_at(placement, run_sequence, spec, placement, config, sequence, world_size=WORLD_SIZE)
     where = first_divergence(expected, seen)
     if where:
         i, problem = where
         calls = sequence[:i + 1]  # what came after cannot have caused it
-        listing = "\n".join(f"  {j:3d}  {describe(c)}    expected {expected[j]}" for j, c in enumerate(calls))
+        listing = "\n".join(f"  {j:3d}  {c.describe()}    expected {expected[j]}" for j, c in enumerate(calls))
         raise AssertionError(f"{problem}\n\nscaler settings {config}; the calls up to it:\n{listing}\n\n"
                              f"replay exactly this sequence:\n  {replay_command(spec, placement, config, calls)}")
 
 
-def advance(model: ScalerModel, call: dict, n_optimizers: int) -> dict:
-    """One call on the model; -> what every rank must see after it (the facts run_sequence reports)."""
-    op, want = call["op"], {}
-    if not model.allows(op, call.get("opt", 0)):
-        raise ValueError(f"{describe(call)} is not a legal call here (the API forbids it, or it means nothing)")
-    if op == "backward":
-        bad = call.get("bad")
-        model.backward(None if not bad else _owner(bad["param"], n_optimizers))
-    elif op == "unscale_":
-        if not model.unscale_(call["opt"]):
-            want["exact"] = True  # clean: every grad of this optimizer exactly unscaled
-    elif op == "step":
-        want["moved"] = "exactly by -lr * unscaled grad" if model.step(call["opt"]) else "not at all"
-    elif op == "update":
-        model.update(new_scale=call.get("new_scale"))
-    want.update(scale=model.scale, tracker=model.tracker)
-    return want
+def model_of(config: dict) -> ScalerModel:
+    return ScalerModel(config["init_scale"], config["growth_factor"], config["backoff_factor"],
+                       config["growth_interval"], config["n_optimizers"])
 
 
-def expectations(config: dict, sequence: list[dict]) -> list[dict]:
-    model = ScalerModel(config["init_scale"], config["growth_factor"], config["backoff_factor"],
-                        config["growth_interval"], config["n_optimizers"])
-    return [advance(model, call, config["n_optimizers"]) for call in sequence]
+def expected_facts(config: dict, sequence: list) -> list[dict]:
+    """What every rank must see after each call, from the model."""
+    model = model_of(config)
+    return [advance(model, call) for call in sequence]
 
 
 class ScalerContract(RuleBasedStateMachine):
@@ -208,12 +120,11 @@ class ScalerContract(RuleBasedStateMachine):
     def scaler_settings(self, init_scale, growth_factor, backoff_factor, growth_interval, n_optimizers):
         self.config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                            growth_interval=growth_interval, n_optimizers=n_optimizers)
-        self.model = ScalerModel(init_scale, growth_factor, backoff_factor, growth_interval, n_optimizers)
+        self.model = model_of(self.config)
 
-    def _call(self, op: str, **args) -> None:
-        call = dict(op=op, **args)
+    def _call(self, call) -> None:
         self.sequence.append(call)
-        self.expected.append(advance(self.model, call, self.config["n_optimizers"]))
+        self.expected.append(advance(self.model, call))
 
     def _may_backward(self) -> bool:
         return self.model.allows("backward") and self.model.backwards < MAX_BACKWARDS
@@ -221,50 +132,50 @@ class ScalerContract(RuleBasedStateMachine):
     @precondition(lambda self: self._may_backward())
     @rule()
     def backward(self):
-        self._call("backward")
+        self._call(Backward())
 
     @precondition(lambda self: self._may_backward() and self.model.scale >= MIN_SCALE_FOR_OVERFLOW)
     @rule(rank=st.integers(0, WORLD_SIZE - 1), param=st.integers(0, N_PARAMS - 1),
           element=st.sampled_from(("last", "first")), value=st.sampled_from(tuple(INF_VALUES)))
     def backward_with_overflow(self, rank, param, element, value):
-        self._call("backward", bad=dict(rank=rank, param=param, element=element, value=value))
+        self._call(Backward(Overflow(rank, param, element, value)))
 
     @precondition(lambda self: self.model.allows("unscale_", 0))
     @rule()
     def unscale_first_optimizer(self):
-        self._call("unscale_", opt=0)
+        self._call(Unscale(0))
 
     @precondition(lambda self: self.model.allows("unscale_", 1))
     @rule()
     def unscale_second_optimizer(self):
-        self._call("unscale_", opt=1)
+        self._call(Unscale(1))
 
     @precondition(lambda self: self.model.allows("step", 0))
     @rule()
     def step_first_optimizer(self):
-        self._call("step", opt=0)
+        self._call(Step(0))
 
     @precondition(lambda self: self.model.allows("step", 1))
     @rule()
     def step_second_optimizer(self):
-        self._call("step", opt=1)
+        self._call(Step(1))
 
     @precondition(lambda self: self.model.allows("update"))
     @rule(new_scale=st.none() | st.sampled_from(NEW_SCALES))
     def update(self, new_scale):
-        self._call("update", **({} if new_scale is None else {"new_scale": new_scale}))
+        self._call(Update(new_scale))
 
     @precondition(lambda self: self.model.allows("resume"))
     @rule()
     def checkpoint_round_trip(self):
-        self._call("resume")
+        self._call(Resume())
 
     def teardown(self):
         if self.sequence:
             check_sequence(self.spec, self.placement, self.config, self.sequence, self.expected)
 
 
-@pytest.mark.parametrize("placement", placement_params(["cpu", "cuda", "offload", "mixed"]))
+@pytest.mark.parametrize("placement", placement_params(PLACEMENTS))
 def test_every_sequence_of_calls_follows_the_contract(scaler, placement, request):
     # A strict xfail (a known upstream bug) only needs to fail: shrinking its sequence would cost minutes
     # of the gate for a message nobody reads. Everything else is shrunk, as the profile says.
@@ -278,13 +189,13 @@ def main(argv=None) -> None:
     """Replay one sequence (the command a failure prints): each call, what the ranks saw, what the model says."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--scaler", required=True, help="a built-in name or package.module:factory")
-    parser.add_argument("--placement", default="cpu", choices=["cpu", "cuda", "offload", "mixed"])
-    parser.add_argument("--sequence", required=True, help='JSON: {"config": {...}, "calls": [{"op": ...}, ...]}')
+    parser.add_argument("--placement", default="cpu", choices=PLACEMENTS)
+    parser.add_argument("--sequence", required=True, help='JSON: {"config": {...}, "calls": [{"call": ...}, ...]}')
     args = parser.parse_args(argv)
     try:
         data = json.loads(args.sequence)
-        config, calls = data["config"], data["calls"]
-        expected = expectations(config, calls)
+        config, calls = data["config"], [from_data(c) for c in data["calls"]]
+        expected = expected_facts(config, calls)
     except (ValueError, KeyError, TypeError) as exc:
         parser.error(f"--sequence: {type(exc).__name__}: {exc}")
     from tests.harness import shutdown_pools

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.conformance.problem import DTYPES, Problem, build_scaler, harness_device, placement_params
+from tests.conformance.problem import DTYPES, Problem, build_scaler, device_mode, placement_params
 from tests.harness import run_on_ranks
 from tests.scalers import make_scaler
 
@@ -51,7 +51,7 @@ def _sized_step(spec, placement, shape, where):
 @pytest.mark.parametrize("placement", placement_params(["cpu", "cuda", "mixed"]))
 def test_an_overflow_anywhere_in_a_model_sized_problem_is_seen(scaler, placement, shape, where):
     out = run_on_ranks(_sized_step, scaler, placement, shape, where, world_size=1,
-                       device=harness_device(placement, 1), timeout=120)[0]
+                       device=device_mode(placement, 1), timeout=120)[0]
     if where == "clean":
         assert out["exact"], f"{shape}: a clean step must leave every grad exactly unscaled"
         assert (out["stepped"], out["scale"]) == (out["n"], 256.0), f"{shape}: a clean step applies to every param"
@@ -96,7 +96,7 @@ def _huge_step(spec, dtype, where):
 @pytest.mark.parametrize("dtype", sorted(HUGE_BYTES_PER_ELEMENT))
 @pytest.mark.parametrize("placement", placement_params(["cuda"]))
 def test_an_overflow_past_2_31_elements_is_seen(scaler, placement, dtype, where):
-    out = run_on_ranks(_huge_step, scaler, dtype, where, world_size=1, device=harness_device(placement, 1),
+    out = run_on_ranks(_huge_step, scaler, dtype, where, world_size=1, device=device_mode(placement, 1),
                        timeout=120)[0]
     if "skip" in out:
         pytest.skip(out["skip"])

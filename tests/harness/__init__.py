@@ -1,4 +1,5 @@
-"""The rank harness: run a function on N ranks, get every rank's result back. See ranks.py."""
+"""The rank harness: run a function on N ranks, get every rank's result back. ranks.py is the API and
+says which module does what; docs/harness.md is the guide."""
 from tests.harness.ranks import (  # noqa: F401
     DEFAULT_TIMEOUT_S,
     RankDied,

@@ -15,6 +15,7 @@ import collections
 import itertools
 from dataclasses import astuple, dataclass, fields
 
+from tests.matrix import implementations
 from tests.scalers import spec_id
 
 
@@ -160,12 +161,10 @@ def skip_reason(cell: Cell, n_gpus: int) -> str | None:
     then what the cell's implementation declares it needs (implementations.py)."""
     if cell.world_size == 8 and n_gpus < 8:
         return f"world size 8 runs only on a host with 8 GPUs (one per rank, NCCL); {n_gpus} visible"
-    from tests.matrix.implementations import record  # it imports tests.scalers, which imports nothing of ours
-
-    return record(cell.impl).needs(cell, n_gpus)
+    return implementations.record(cell.impl).needs(cell, n_gpus)
 
 
-def harness_device(cell: Cell, n_gpus: int) -> str:
+def cell_device_mode(cell: Cell, n_gpus: int) -> str:
     """The rank harness's device mode: gloo on CPU; NCCL with a GPU per rank; else gloo ranks sharing GPU 0."""
     if n_gpus == 0:
         return "cpu"

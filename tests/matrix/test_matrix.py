@@ -37,7 +37,7 @@ def _n_gpus() -> int:
 
 def test_fsdp_matches_ddp(cell, scaler, request):
     out = run_on_ranks(train_cell, cell, scaler, cell.impl, world_size=cell.world_size,
-                       device=axes.harness_device(cell, _n_gpus()))
+                       device=axes.cell_device_mode(cell, _n_gpus()))
     if out[0].unsupported:
         pytest.skip(out[0].unsupported)
     problem = divergence(cell, out) or scaler_idle(out)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import bugtable
-from tests.scalers import KNOWN_BUGS
+from tests.known_bugs import EVERY_SCALER, KNOWN_BUGS
 
 REPO = bugtable.REPO
 README = REPO / "README.md"
@@ -61,7 +61,7 @@ def test_missing_markers_are_a_clear_error(tmp_path, capsys):
 
 
 def test_rows_are_data_and_render_is_markdown():
-    bug = next(b for b in KNOWN_BUGS if b.scalers is None)  # an FSDP implementation's bug
+    bug = next(b for b in KNOWN_BUGS if b.scalers is EVERY_SCALER)  # an FSDP implementation's bug
     marks = [bugtable.ReproMark("tests/repro/test_b.py", "test_x", ("other", bug.id)),
              bugtable.ReproMark("tests/repro/test_a.py", "test_y", (bug.id,))]
     (r,) = bugtable.rows([bug], marks)
@@ -119,8 +119,9 @@ def test_an_unknown_repro_id_is_named(tmp_path):
     repro = tmp_path / "repro"
     repro.mkdir()
     src = REPO / "tests" / "repro" / "test_bf16_grads_on_cuda.py"
-    (repro / "test_renamed_bug.py").write_text(
-        src.read_text().replace('repro_of("bf16-cuda-unscale-kernel")', 'repro_of("bf16-kernel-renamed")'))
+    renamed = src.read_text().replace('bugs=["bf16-cuda-unscale-kernel"]', 'bugs=["bf16-kernel-renamed"]')
+    assert renamed != src.read_text(), "the case's @case(..., bugs=[...]) text moved: update this test"
+    (repro / "test_renamed_bug.py").write_text(renamed)
     marks = bugtable.repro_marks(repro)
     assert unknown_repro_ids(marks, {b.id for b in KNOWN_BUGS}) == [
         f"{repro / 'test_renamed_bug.py'}::test_clean_step_with_bf16_grads_on_cuda: "

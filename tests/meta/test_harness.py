@@ -1,30 +1,26 @@
-"""The rank harness keeps its promises: results, faults, hangs, isolation, no leftovers.
+"""The rank harness runs a task on every rank and reports every way it can fail: results in rank order,
+a pool reused and cleaned between tasks, isolation, raising / dying / hanging / skipping ranks, bad input,
+and the one task runner that both modes share.
 
 Every test here runs on a Harness of its own (the `harness` fixture, or one built for the test), never on
-the session's: crashing, hanging and isolating ranks, small context budgets and short timeouts must not
-reach the pools and settings that the other tests of this worker rely on."""
+the session's: crashing, hanging and isolating ranks and short timeouts must not reach the pools and
+settings that the other tests of this worker rely on. Whole child sessions: test_harness_sessions.py;
+GPUs and the CUDA context budget: test_harness_gpu.py."""
 import ctypes
-import dataclasses
 import os
 import pickle
-import signal
-import subprocess
-import sys
 import time
-import uuid
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.child_run import ROOT, clean_env
-from tests.harness import (Harness, RankDied, RankFailure, RankHung, RankRaised, missing_requirement, rank_device,
-                           session)
-from tests.harness import ranks as ranks_module
+from tests.harness import Harness, RankDied, RankHung, RankRaised, missing_requirement
+from tests.harness.pool import PEER_GRACE_S
+from tests.harness.task import Task, run_task
+from tests.meta.sessions.children import is_zombie
 
 pytestmark = pytest.mark.harness
-SESSIONS = os.path.join("tests", "meta", "sessions")
-
 
 # ---------------------------------------------------------------- bodies (run on the ranks)
 
@@ -121,10 +117,14 @@ def _count_leftovers():
     return sum(ref() is not None for ref in _LEFTOVER_REFS)
 
 
-def _shared_gpu_all_reduce():
-    t = torch.ones(2, device=rank_device()) * (dist.get_rank() + 1)
-    dist.all_reduce(t)
-    return str(rank_device()), t
+def _skip_on(rank):
+    if dist.get_rank() == rank:
+        pytest.skip(f"rank {rank} has nothing to check")
+    return dist.get_rank()
+
+
+def _skip_everywhere():
+    pytest.skip("no rank has anything to check")
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ def test_exception_while_peer_waits_in_collective_fails_fast_with_both_stories(h
     text = str(info.value)
     assert "rank 1 gave up before the collective" in text
     assert "_peer_waits_in_all_reduce" in text  # rank 0's faulthandler stack
-    assert elapsed < ranks_module.PEER_GRACE_S + 10, f"took {elapsed:.1f} s: should not wait for the task timeout"
+    assert elapsed < PEER_GRACE_S + 10, f"took {elapsed:.1f} s: should not wait for the task timeout"
     assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
 
 
@@ -229,7 +229,7 @@ def test_segfaulting_rank_fails_with_its_stack_and_pool_is_rebuilt(harness):
     after = [o["pid"] for o in harness.run(_identity, "after", world_size=2)]
     assert set(before).isdisjoint(after)
     for pid in before:  # the old ranks are gone, not orphaned
-        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+        assert not os.path.exists(f"/proc/{pid}") or is_zombie(pid)
 
 
 def test_rank_that_exits_fails_with_its_exit_code(harness):
@@ -251,12 +251,44 @@ def test_hang_in_mismatched_collective_fails_within_timeout_and_next_case_passes
     assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
 
 
-def _is_zombie(pid):
+# ---------------------------------------------------------------- pytest.skip on the ranks, and the one task runner
+
+def test_a_skip_on_one_rank_fails_with_its_reason(harness):
+    with pytest.raises(RankRaised) as info:
+        harness.run(_skip_on, 1, world_size=2)
+    assert "rank(s) [1]" in str(info.value) and "Skipped: rank 1 has nothing to check" in str(info.value)
+    assert harness.run(_skip_on, 5, world_size=2) == [0, 1]  # the pool still works
+
+
+def test_a_skip_on_every_rank_skips_the_test(harness):
+    with pytest.raises(pytest.skip.Exception, match="no rank has anything to check"):
+        harness.run(_skip_everywhere, world_size=2)
+
+
+def _returns_a_closure():
+    return lambda: None
+
+
+@pytest.mark.parametrize("body, args, skipped, error", [
+    (_skip_everywhere, (), "no rank has anything to check", "Skipped: no rank has anything to check"),
+    (_raise_on, (0,), None, "ValueError: boom on rank 0"),
+    (_returns_a_closure, (), None, "pickle"),  # the result itself cannot travel to the parent
+])
+def test_the_task_runner_turns_every_ending_into_an_outcome(monkeypatch, body, args, skipped, error):
+    """run_task (the one runner of both modes) returns a record instead of raising, pytest's skip included:
+    a torchrun rank that let it escape would leave the other ranks waiting for it in all_gather_object."""
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[1].split()[0] == "Z"
-    except OSError:
-        return True
+        outcome = run_task(Task(7, pickle.dumps((body, args, {})), seed=0), rank=0)
+    except BaseException as exc:  # noqa: B902 - a skip escaping is the failure this test is for
+        pytest.fail(f"run_task let {type(exc).__name__} escape: {exc}")
+    assert (outcome.task, outcome.rank, outcome.value, outcome.skipped) == (7, 0, None, skipped)
+    assert error in outcome.error.strip().splitlines()[-1]  # the exception's own line
+
+
+def test_the_task_runner_returns_the_result_on_the_host():
+    outcome = run_task(Task(0, pickle.dumps((torch.ones, (2,), {}))), rank=3)
+    assert outcome.error is None and torch.equal(pickle.loads(outcome.value), torch.ones(2))
 
 
 # ---------------------------------------------------------------- bad input
@@ -292,217 +324,3 @@ def test_missing_cuda_or_gpus_is_a_skip_with_a_reason():
     else:
         assert reason is None
     assert missing_requirement(2, "cpu") is None
-
-
-# ---------------------------------------------------------------- whole sessions (child pytest)
-
-def _env(token, out_dir, **extra):
-    return dict(clean_env(), HARNESS_LEAK_TOKEN=token, CASE_OUT_DIR=str(out_dir), **extra)
-
-
-def _processes_with(token):
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or _is_zombie(int(pid)):
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"HARNESS_LEAK_TOKEN={token}".encode() in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
-
-
-def _wait_until_gone(token, seconds):
-    deadline = time.monotonic() + seconds
-    while _processes_with(token) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return _processes_with(token)
-
-
-def test_no_process_outlives_a_pytest_session(tmp_path):
-    token = uuid.uuid4().hex
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.join(SESSIONS, "case_pool.py")],
-                          cwd=ROOT, env=_env(token, tmp_path), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rank_pids = {int(p) for f in tmp_path.iterdir() for p in f.read_text().split()[2:]}
-    assert len(rank_pids) == 2, "all four tests should have shared one pool"
-    assert _wait_until_gone(token, 5) == []
-
-
-def test_no_process_outlives_a_killed_pytest(tmp_path):
-    token = uuid.uuid4().hex
-    child = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              os.path.join(SESSIONS, "case_pool.py")],
-                             cwd=ROOT, env=_env(token, tmp_path, CASE_SLEEP_S="60"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while len(_processes_with(token)) < 3 and time.monotonic() < deadline:  # pytest + 2 ranks
-            time.sleep(0.2)
-        assert len(_processes_with(token)) >= 3, "the child session never started its ranks"
-        time.sleep(1.0)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-        assert _wait_until_gone(token, 10) == []
-    finally:
-        if child.poll() is None:
-            child.kill()
-
-
-def test_two_xdist_workers_run_pools_at_once(tmp_path):
-    token = uuid.uuid4().hex
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                           "--dist", "load", os.path.join(SESSIONS, "case_pool.py")],
-                          cwd=ROOT, env=_env(token, tmp_path, CASE_SLEEP_S="1"),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [f.read_text().split() for f in tmp_path.iterdir()]
-    workers = {row[0] for row in rows}
-    assert workers == {"gw0", "gw1"}, rows
-    pools = {tuple(row[2:]) for row in rows}
-    assert len(pools) == 2, "each worker should have its own pool of two ranks"
-    assert _wait_until_gone(token, 5) == []
-
-
-def test_torchrun_mode_runs_bodies_on_launcher_ranks(tmp_path):
-    token = uuid.uuid4().hex
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-p", "no:xdist", "-rs", os.path.join(SESSIONS, "case_torchrun.py")],
-                          cwd=ROOT, env=_env(token, tmp_path, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert out.count("1 passed, 1 skipped") == 2, out  # each launcher rank ran the session
-    assert "needs world_size 3; torchrun launched 2 ranks" in out
-
-
-# ---------------------------------------------------------------- the CUDA context budget
-
-FAKE_GPU = 97  # slot files only: no CUDA needed to check the bookkeeping
-
-
-def test_context_slots_are_taken_all_or_none_within_the_budget(tmp_path):
-    with Harness(contexts=3, lock_dir=str(tmp_path)) as own:
-        two = own.take_context_slots({FAKE_GPU: 2})
-        assert len(two) == 2
-        assert own.take_context_slots({FAKE_GPU: 2}) is None, "only 1 of 3 slots is left"
-        one = own.take_context_slots({FAKE_GPU: 1})
-        assert len(one) == 1, "the refused take of 2 must not keep the slot it found"
-        for f in two:
-            f.close()
-        assert len(own.take_context_slots({FAKE_GPU: 2})) == 2
-
-
-class _IdlePool:
-    """Stands for an idle GPU pool of a harness: holds context slots on one GPU; shutdown releases them."""
-
-    def __init__(self, harness, gpu, seconds_to_stop=0.0):
-        self.slots, self.slot_gpus, self.seconds_to_stop = harness.take_context_slots({gpu: 1}), {gpu}, seconds_to_stop
-        self.stopped_within = None
-
-    def shutdown(self, graceful=True, within=10.0):
-        self.stopped_within = within
-        time.sleep(min(self.seconds_to_stop, within))
-        for f in self.slots:
-            f.close()
-        self.slots = []
-
-
-def test_a_spent_context_budget_fails_in_bounded_time_saying_so(tmp_path):
-    """The budget is spent by another worker's pool (slots held here), this harness has idle pools on other
-    GPUs only, and retiring one would take 30 s: none is retired, and the wait ends at startup_timeout."""
-    with Harness(contexts=2, lock_dir=str(tmp_path), startup_timeout=0.5) as own:
-        held = own.take_context_slots({FAKE_GPU: 2})  # another worker's pool
-        elsewhere = own.pools["elsewhere"] = _IdlePool(own, FAKE_GPU + 1, seconds_to_stop=30)
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(RankFailure, match=r"could not get CUDA contexts for 1 rank\(s\) on GPU\(s\) "
-                               r"\{97: 1\} within 0.5 s: every slot of the per-GPU budget \{97: 2\} is held"):
-                own.context_slots({FAKE_GPU: 1})
-        finally:
-            seconds = time.monotonic() - t0
-            stand_ins, own.pools = dict(own.pools), {}  # nothing real to stop on the way out
-        assert seconds < 5, f"took {seconds:.1f} s"
-        assert "elsewhere" in stand_ins and elsewhere.stopped_within is None, \
-            "a pool on another GPU was retired: it frees nothing on the GPU waited for"
-        del held
-
-
-def test_an_idle_pool_on_the_gpu_waited_for_is_retired_within_the_bound(tmp_path):
-    with Harness(contexts=1, lock_dir=str(tmp_path), startup_timeout=2.0) as own:
-        mine = own.pools["mine"] = _IdlePool(own, FAKE_GPU, seconds_to_stop=30)  # the budget's one slot
-        t0 = time.monotonic()
-        got = own.context_slots({FAKE_GPU: 1})
-        assert len(got) == 1 and "mine" not in own.pools, "the idle pool holding the slot must be retired"
-        assert mine.stopped_within is not None and mine.stopped_within <= 2.0, \
-            f"retiring was given {mine.stopped_within} s: the bound must cover it"
-        assert time.monotonic() - t0 < 2.0 + 5
-
-
-def test_run_on_ranks_uses_the_session_harness_built_from_the_options(request):
-    import conftest
-
-    harness, _ = request.config.stash[conftest.HARNESS]
-    assert session() is harness
-    assert (harness.isolate, harness.timeout) == (request.config.getoption("--isolate-ranks"),
-                                                  request.config.getoption("--rank-timeout"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): CUDA contexts are what is budgeted")
-def test_workers_pools_share_a_small_context_budget(tmp_path):
-    """Two workers want 2 x (4 + 2 + 1) contexts under a budget of 5: they retire idle pools and take
-    turns instead of running the GPU out of memory or waiting forever."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                           os.path.join(SESSIONS, "case_gpu_budget.py")],
-                          cwd=ROOT, env=_env(uuid.uuid4().hex, tmp_path, FSDP_AMP_GPU_CONTEXTS="5",
-                                             TMPDIR=str(tmp_path)),  # slot files of its own
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
-    assert "18 passed" in proc.stdout, proc.stdout[-3000:]
-
-
-# ---------------------------------------------------------------- GPU device modes
-
-@pytest.mark.gpu
-def test_two_gloo_ranks_share_one_gpu(harness):
-    out = harness.run(_shared_gpu_all_reduce, world_size=2, device="cuda-shared")
-    assert [dev for dev, _ in out] == ["cuda:0", "cuda:0"] or len({dev for dev, _ in out}) == 1
-    assert all(torch.equal(t, torch.full((2,), 3.0)) for _, t in out)
-
-
-@pytest.mark.gpu
-def test_one_nccl_rank_on_one_gpu(harness):
-    out = harness.run(_shared_gpu_all_reduce, world_size=1, device="cuda")
-    assert out[0][0].startswith("cuda:") and torch.equal(out[0][1], torch.ones(2))
-
-
-@pytest.mark.gpu
-@pytest.mark.multigpu
-def test_two_nccl_ranks_on_two_gpus(harness):
-    out = harness.run(_shared_gpu_all_reduce, world_size=2, device="cuda")
-    assert out[0][0] != out[1][0]
-    assert all(torch.equal(t, torch.full((2,), 3.0)) for _, t in out)
-
-
-@dataclasses.dataclass
-class _Record:
-    where: str
-    tensors: dict
-
-
-def _record_on_the_gpu():
-    return _Record(str(rank_device()), {"t": torch.ones(2, device=rank_device())})
-
-
-@pytest.mark.gpu
-def test_a_result_record_comes_back_on_the_host(harness):
-    """A task's dataclass result (e.g. the matrix's CellRun) keeps its type, its tensors copied to the host:
-    the controller must never build a CUDA context to unpickle a result."""
-    out = harness.run(_record_on_the_gpu, world_size=1, device="cuda")
-    assert isinstance(out[0], _Record) and out[0].where.startswith("cuda")
-    assert out[0].tensors["t"].device.type == "cpu", "a CUDA tensor inside a result record was not moved to the host"

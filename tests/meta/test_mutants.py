@@ -7,7 +7,7 @@ import pytest
 
 from tests.child_run import child_run_once
 from tests.planted import EXPECTED, SCALERS
-from tests.scalers import SEQUENCES
+from tests.known_bugs import SEQUENCES
 
 pytestmark = pytest.mark.slow  # child runs of the suite: minutes on 2 cores, once per run (child_run_once)
 HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"

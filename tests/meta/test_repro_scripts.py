@@ -1,8 +1,10 @@
-"""A repro file runs on any scaler: as a script with --scaler, and under pytest through the root conftest's
-scaler parametrization (a plugged scaler gets no built-in known bug: showing the bug fails its case)."""
+"""A repro file runs on any scaler: as a script (`python -m tests.repro NAME --scaler SPEC`), and under pytest
+through the root conftest's scaler parametrization (a plugged scaler gets no built-in known bug: showing the bug
+fails its case)."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,7 @@ from tests.child_run import ROOT, clean_env, runpytest
 
 pytestmark = pytest.mark.harness
 REPRO = "tests/repro/test_cpu_scale_grows_to_inf.py"  # runs on CPU
+NAME = "cpu_scale_grows_to_inf"  # its name for python -m tests.repro
 MUTANT = "tests.planted.scalers:grows_to_inf"  # has that bug
 
 
@@ -19,11 +22,20 @@ def _run(*args):
 
 
 def test_the_script_shows_a_plugged_scalers_outcome():
-    proc = _run(REPRO, "--scaler", "ours", "--scaler", MUTANT)
+    proc = _run("-m", "tests.repro", NAME, "--scaler", "ours", "--scaler", MUTANT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line and not line[0].isspace()}
     assert lines["ours"].split()[1] == "ok:" and lines[MUTANT].split()[1] == "BUG:", proc.stdout
     assert "known upstream bug" not in lines[MUTANT], "a plugged scaler has no built-in known bug"
+
+
+def test_an_unknown_name_is_a_usage_error_naming_it_and_no_name_lists_the_files():
+    proc = _run("-m", "tests.repro", "no_such_repro")
+    assert proc.returncode == 2 and "no_such_repro" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run("-m", "tests.repro")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in (Path(ROOT) / "tests" / "repro").glob("test_*.py"))
+    assert proc.stdout.split() == [f[len("test_"):-len(".py")] for f in files], proc.stdout
 
 
 @pytest.mark.parametrize("spec, outcome", [("ours", {"passed": 1}), (MUTANT, {"failed": 1})])

@@ -2,7 +2,7 @@
 silently drop a known bug's xfail, a mutant's expectation or a report column.
 
 Checked against what the main job collects (the suite's testpaths with the built-in scalers and FSDP
-implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS (tests/scalers.py; an entry matches a check by its test names and
+implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS (tests/known_bugs.py; an entry matches a check by its test names and
 param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
 EXPECTED tests (tests/planted) and the report's COLUMNS (tests/report.py; each the REPORT_COLUMN of a module).
 """
@@ -13,7 +13,7 @@ import pytest
 from tests import report
 from tests.child_run import ROOT
 from tests.planted import EXPECTED
-from tests.scalers import KNOWN_BUGS
+from tests.known_bugs import KNOWN_BUGS
 
 
 def unmatched(collected) -> list[str]:
@@ -55,12 +55,12 @@ def test_a_stale_entry_is_named():
 def test_a_reworded_reason_keeps_its_repro_and_an_unknown_id_fails_loudly():
     """Repro cases name their bug by its id (@pytest.mark.repro_of), never by words of its reason: rewording
     keeps them working, and an id that names no entry is an error naming it (a usage error at collection)."""
-    from tests import scalers
+    from tests import known_bugs
 
-    bug = scalers.bug_by_id("fairscale-state-dict-after-backoff")
+    bug = known_bugs.bug_by_id("fairscale-state-dict-after-backoff")
     reworded = type(bug)(**{**bug.__dict__, "reason": "entirely new words"})
-    table = [reworded if b is bug else b for b in scalers.KNOWN_BUGS]  # a table of its own: the real one is untouched
-    assert scalers.repro_bug("fairscale_sharded", [bug.id], any_version=True, bugs=table).reason == "entirely new words"
-    assert scalers.repro_bug("ours", [bug.id], any_version=True, bugs=table) is None  # names fairscale's scaler only
+    table = [reworded if b is bug else b for b in known_bugs.KNOWN_BUGS]  # a table of its own: the real one is untouched
+    assert known_bugs.repro_bug("fairscale_sharded", [bug.id], any_version=True, bugs=table).reason == "entirely new words"
+    assert known_bugs.repro_bug("ours", [bug.id], any_version=True, bugs=table) is None  # names fairscale's scaler only
     with pytest.raises(ValueError, match="repro_of\\('no-such-bug'\\): no KNOWN_BUGS entry has that id"):
-        scalers.repro_bug("ours", ["no-such-bug"])
+        known_bugs.repro_bug("ours", ["no-such-bug"])

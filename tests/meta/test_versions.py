@@ -2,27 +2,27 @@
 to pass here (its strict xfail is gone), and is still known for the version table (any_version)."""
 import dataclasses
 
-from tests import scalers, versions
+from tests import known_bugs, versions
 
 CHECK = ("torch_amp", "test_clean_step_unscales_exactly_and_steps", {"scaler": "torch_amp", "dtype": "float16"})
 
 
 def _with_torch_spec(spec):
     """A table of its own holding the entry with another torch specifier (the real KNOWN_BUGS is untouched)."""
-    changed = dataclasses.replace(scalers.bug_by_id("torch-amp-refuses-fp16-grads"), torch=spec)
+    changed = dataclasses.replace(known_bugs.bug_by_id("torch-amp-refuses-fp16-grads"), torch=spec)
     return changed, [changed]
 
 
 def test_a_bug_fixed_in_the_installed_torch_is_expected_to_pass():
     bug, table = _with_torch_spec(f"<{versions.installed('torch')}")
     assert not bug.in_force
-    assert scalers.known_bug(*CHECK, cuda=False, bugs=table) is None
-    assert scalers.known_bug(*CHECK, cuda=False, any_version=True, bugs=table) is bug
+    assert known_bugs.known_bug(*CHECK, cuda=False, bugs=table) is None
+    assert known_bugs.known_bug(*CHECK, cuda=False, any_version=True, bugs=table) is bug
 
 
 def test_a_bug_that_holds_on_the_installed_torch_is_a_strict_xfail():
     bug, table = _with_torch_spec(f">={versions.installed('torch')}")
-    assert bug.in_force and scalers.known_bug(*CHECK, cuda=False, bugs=table) is bug
+    assert bug.in_force and known_bugs.known_bug(*CHECK, cuda=False, bugs=table) is bug
 
 
 def test_specifiers_compare_releases_not_local_labels():

@@ -13,7 +13,7 @@ from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, _f32
 from tests.planted.registry import mutant
-from tests.scalers import SEQUENCES
+from tests.known_bugs import SEQUENCES
 
 _check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
 

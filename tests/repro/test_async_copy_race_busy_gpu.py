@@ -19,22 +19,15 @@ offload); 20 trials, each with a new power-of-two scale (a stale copy from the l
 wrong); the clean case must leave exactly the unscaled grads and step; the inf case must skip and
 back off. The bug shows if any trial goes wrong. Needs one GPU, alone (a timing check).
 
-    python tests/repro/test_async_copy_race_busy_gpu.py
+    python -m tests.repro async_copy_race_busy_gpu
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd
+from tests.conformance.test_busy_gpu import keep_gpu_busy
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
 
-import pytest  # noqa: E402
-
-from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd  # noqa: E402
-from tests.conformance.test_busy_gpu import keep_gpu_busy  # noqa: E402
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-
-pytestmark = pytest.mark.repro
 TRIALS = 20
 
 
@@ -60,7 +53,9 @@ def _trials(scaler, with_inf):
     return run_on_ranks(_busy_trials, scaler, with_inf, world_size=1, device="cuda", timeout=120)[0]
 
 
-def clean(scaler):
+@case("CPU grads, CUDA scale, GPU busy at step(): a clean step (1 rank)",
+      bugs=["async-copy-race-busy-gpu", "fairscale-busy-gpu"], needs="cuda")
+def test_clean_cpu_grads_are_unscaled_exactly(scaler):
     trials = _trials(scaler, with_inf=False)
     not_exact = sum(not t["grads_exact"] for t in trials)
     unstepped = sum(not (t["stepped"] and t["kept_scale"]) for t in trials)
@@ -70,7 +65,10 @@ def clean(scaler):
                    f"every trial leaves exactly the unscaled grads, steps and keeps its scale (0 and 0 of {TRIALS})")
 
 
-def inf(scaler):
+# not fairscale: it replaces found_inf's storage on an inf, so at world size 1 it sees it
+@case("CPU grads, CUDA scale, GPU busy at step(): an inf in a CPU grad (1 rank)", bugs=["async-copy-race-busy-gpu"],
+      needs="cuda")
+def test_inf_in_cpu_grads_is_seen(scaler):
     trials = _trials(scaler, with_inf=True)
     missed = sum(t["stepped"] for t in trials)
     no_backoff = sum(not t["backed_off"] for t in trials)
@@ -78,23 +76,3 @@ def inf(scaler):
                    f"an inf in a CPU grad, GPU busy at step(), {TRIALS} trials: the inf was missed and the step "
                    f"applied in {missed}, no backoff in {no_backoff}",
                    f"every trial skips the step and backs off once (0 and 0 of {TRIALS})")
-
-
-@needs_cuda
-@pytest.mark.repro_of("async-copy-race-busy-gpu", "fairscale-busy-gpu")
-def test_clean_cpu_grads_are_unscaled_exactly(scaler):
-    check(scaler, clean)
-
-
-@needs_cuda
-# not fairscale: it replaces found_inf's storage on an inf, so at world size 1 it sees it
-@pytest.mark.repro_of("async-copy-race-busy-gpu")
-def test_inf_in_cpu_grads_is_seen(scaler):
-    check(scaler, inf)
-
-
-if __name__ == "__main__":
-    main(clean, test_clean_cpu_grads_are_unscaled_exactly,
-         "CPU grads, CUDA scale, GPU busy at step(): a clean step (1 rank)")
-    main(inf, test_inf_in_cpu_grads_is_seen,
-         "\nCPU grads, CUDA scale, GPU busy at step(): an inf in a CPU grad (1 rank)")

@@ -10,20 +10,11 @@ compute_dtype=torch.bfloat16 and no CPU offload (world size 1), or from any mode
 Setup: one rank, three bf16 params on CUDA with exactly known grads, one clean scaled step. The
 grads must come out exactly unscaled and the step must apply. Needs one GPU.
 
-    python tests/repro/test_bf16_grads_on_cuda.py
+    python -m tests.repro bf16_grads_on_cuda
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import pytest  # noqa: E402
-
-from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd  # noqa: E402
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-
-pytestmark = pytest.mark.repro
+from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
 
 
 def _bf16_step(scaler):
@@ -38,18 +29,9 @@ def _bf16_step(scaler):
                 grads_exact=equal_lists(pb.grads(), [c.cpu() for c in pb.targets]))
 
 
-def bf16_grads(scaler):
+@case("bf16 grads on CUDA: one clean scaled step (1 rank)", bugs=["bf16-cuda-unscale-kernel"], needs="cuda")
+def test_clean_step_with_bf16_grads_on_cuda(scaler):
     out = run_on_ranks(_bf16_step, scaler, world_size=1, device="cuda", timeout=60)[0]
     return Outcome(not (out["stepped"] and out["grads_exact"]),
                    f"bf16 grads on CUDA: stepped {out['stepped']}, grads exactly unscaled {out['grads_exact']}",
                    "unscales the bf16 grads exactly and steps")
-
-
-@needs_cuda
-@pytest.mark.repro_of("bf16-cuda-unscale-kernel")
-def test_clean_step_with_bf16_grads_on_cuda(scaler):
-    check(scaler, bf16_grads)
-
-
-if __name__ == "__main__":
-    main(bf16_grads, test_clean_step_with_bf16_grads_on_cuda, "bf16 grads on CUDA: one clean scaled step (1 rank)")

@@ -8,22 +8,16 @@ training silently stops for good. torch.amp.GradScaler("cpu") uses the kernel an
 fairscale's ShardedGradScaler has the same Python copy (on a machine without CUDA it disables itself
 instead). Runs on CPU (torch 2.13): scale 2**127, growth_interval 1, three clean steps.
 
-    python tests/repro/test_cpu_scale_grows_to_inf.py
+    python -m tests.repro cpu_scale_grows_to_inf
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
 TOP = 2.0**127  # float32 max is just under 2**128: one more growth is inf
 
 
@@ -48,18 +42,9 @@ def _pow2(x):
     return f"2**{math.log2(x):g}" if math.isfinite(x) and x > 0 and math.log2(x).is_integer() else str(x)
 
 
-def clean_steps_at_the_top(scaler):
+@case("Scale on CPU at 2**127, growth_interval 1, three clean steps", bugs=["sharded-cpu-scale-grows-to-inf"])
+def test_growth_at_float32_max(scaler):
     scales, stepped = run_on_ranks(_clean_steps_at_the_top, scaler, 3, world_size=1)[0]
     return Outcome(any(s != TOP for s in scales),
                    f"scale after each clean step [{', '.join(map(_pow2, scales))}], steps applied {stepped}",
                    "growth skipped: scale stays [2**127, 2**127, 2**127], steps applied [True, True, True]")
-
-
-@pytest.mark.repro_of("sharded-cpu-scale-grows-to-inf")
-def test_growth_at_float32_max(scaler):
-    check(scaler, clean_steps_at_the_top)
-
-
-if __name__ == "__main__":
-    main(clean_steps_at_the_top, test_growth_at_float32_max,
-         "Scale on CPU at 2**127, growth_interval 1, three clean steps")

@@ -9,22 +9,15 @@ one and, at growth_interval 1, doubles the scale that just overflowed. Needs one
 scaler disables itself without CUDA); params and grads on CPU, the loss computed on the GPU and
 moved to CPU, world size 1 (NCCL).
 
-    python tests/repro/test_fairscale_backoff_only_if_exactly_one.py
+    python -m tests.repro fairscale_backoff_only_if_exactly_one
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
 
 def _two_optimizers_both_inf(scaler):
@@ -45,20 +38,10 @@ def _two_optimizers_both_inf(scaler):
     return dict(stepped=[not torch.equal(x, p.detach()) for x, p in zip(before, (a, b))], scale=s.get_scale())
 
 
-def both_optimizers_overflow(scaler):
+@case("Scale on CPU, two optimizers that both see inf, growth_interval 1 (needs a GPU)",
+      bugs=["fairscale-backoff-only-if-exactly-one"], needs="cuda")
+def test_two_optimizers_both_overflow(scaler):
     out = run_on_ranks(_two_optimizers_both_inf, scaler, world_size=1, device="cuda")[0]
     return Outcome(out["stepped"] != [False, False] or out["scale"] != 128.0,
                    f"stepped per optimizer {out['stepped']}, scale 256.0 -> {out['scale']}",
                    "both skip and the scale backs off once: stepped [False, False], scale 256.0 -> 128.0")
-
-
-@needs_cuda
-@pytest.mark.repro_of("fairscale-backoff-only-if-exactly-one")
-def test_two_optimizers_both_overflow(scaler):
-    check(scaler, both_optimizers_overflow)
-
-
-if __name__ == "__main__":
-    main(both_optimizers_overflow, test_two_optimizers_both_overflow,
-         "Scale on CPU, two optimizers that both see inf, growth_interval 1 "
-                                         "(needs a GPU)")

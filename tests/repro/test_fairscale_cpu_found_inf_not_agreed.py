@@ -13,22 +13,15 @@ Setup: 2 gloo ranks sharing one GPU, the scale on CUDA (the loss is computed the
 CPU (as under FSDP CPU offload), a different grad shard on each rank, an inf written into rank 1's
 grads only. Every rank must skip the step and back off once (256 -> 64). Needs one GPU.
 
-    python tests/repro/test_fairscale_cpu_found_inf_not_agreed.py
+    python -m tests.repro fairscale_cpu_found_inf_not_agreed
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch.distributed as dist
 
-import pytest  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd  # noqa: E402
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-
-pytestmark = pytest.mark.repro
+from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
 
 
 def _one_step(scaler):
@@ -43,24 +36,15 @@ def _one_step(scaler):
     return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
 
 
-def inf_on_rank1(scaler):
+# torch.amp.GradScaler has no cross-rank agreement at all (it relies on DDP's all-reduced grads). torch's
+# ShardedGradScaler does agree here, but with CPU grads and a CUDA scale (placement "offload") its outcome
+# depends on the async-copy race (async-copy-race-busy-gpu, test_async_copy_race_busy_gpu.py): neither a pass nor a
+# strict xfail, so the pytest case skips it (the script says so too)
+@case("fairscale ShardedGradScaler: CPU grads, an inf on rank 1 only (2 gloo ranks, one GPU)",
+      bugs=["fairscale-cpu-found-inf-not-agreed", "torch-amp-not-shard-aware"], placement="offload", needs="cuda")
+def test_inf_on_rank1_with_cpu_grads(scaler):
     out = run_on_ranks(_one_step, scaler, world_size=2, device="cuda-shared", timeout=60)
     stepped, scales = [o["stepped"] for o in out], [o["scale"] for o in out]
     return Outcome(stepped != [False, False] or scales != [64.0, 64.0],
                    f"inf only on rank 1: stepped per rank {stepped}, scale per rank {scales}",
                    "every rank skips and backs off once: stepped [False, False], scale [64.0, 64.0]")
-
-
-@needs_cuda
-# torch.amp.GradScaler has no cross-rank agreement at all (it relies on DDP's all-reduced grads). torch's
-# ShardedGradScaler does agree here, but with CPU grads and a CUDA scale (placement "offload") its outcome
-# depends on the async-copy race (async-copy-race-busy-gpu, test_async_copy_race_busy_gpu.py): neither a pass nor a
-# strict xfail, so the pytest case skips it (the script still prints what it did)
-@pytest.mark.repro_of("fairscale-cpu-found-inf-not-agreed", "torch-amp-not-shard-aware", placement="offload")
-def test_inf_on_rank1_with_cpu_grads(scaler):
-    check(scaler, inf_on_rank1)
-
-
-if __name__ == "__main__":
-    main(inf_on_rank1, test_inf_on_rank1_with_cpu_grads,
-         "fairscale ShardedGradScaler: CPU grads, an inf on rank 1 only (2 gloo ranks, one GPU)")

@@ -9,25 +9,17 @@ is all that says so. The scalers that take a device, built with device="cpu", st
 skip the step. Runs on CPU (fairscale 0.4.13, torch 2.13); on a machine with CUDA the bug does not
 apply and the file skips.
 
-    python tests/repro/test_fairscale_disables_itself_without_cuda.py
+    python -m tests.repro fairscale_disables_itself_without_cuda
 """
 import math
-import os
-import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
-ONLY_WITHOUT_CUDA = ("fairscale's ShardedGradScaler disables itself only where CUDA is absent; "
-                     "torch sees a GPU here, so the bug does not apply")
 
 
 def _build(scaler):
@@ -54,9 +46,9 @@ def _inf_step(scaler):
                 stepped_on_inf=not torch.isfinite(model.weight).all().item())
 
 
-def inf_grad_on_cpu(scaler):
-    if torch.cuda.is_available():
-        pytest.skip(ONLY_WITHOUT_CUDA)
+@case("A scaler built on a machine without CUDA, then an inf grad (CPU)", bugs=["fairscale-disabled-without-cuda"],
+      needs="no-cuda")
+def test_inf_grad_on_a_machine_without_cuda(scaler):
     out = run_on_ranks(_inf_step, scaler, world_size=1)[0]
     bug = not out["enabled"] or out["stepped_on_inf"]
     warned = f" (warned {out['warned'][0]!r})" if out["warned"] else ""
@@ -64,14 +56,3 @@ def inf_grad_on_cpu(scaler):
                         f"{'applied the inf grad (weight now non-finite)' if out['stepped_on_inf'] else 'skipped'}"
                         f", scale {out['scale']}",
                    "stays enabled, skips the step on the inf grad and backs off: scale 256.0 -> 128.0")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason=ONLY_WITHOUT_CUDA)
-@pytest.mark.repro_of("fairscale-disabled-without-cuda")
-def test_inf_grad_on_a_machine_without_cuda(scaler):
-    check(scaler, inf_grad_on_cpu)
-
-
-if __name__ == "__main__":
-    main(inf_grad_on_cpu, test_inf_grad_on_a_machine_without_cuda,
-         "A scaler built on a machine without CUDA, then an inf grad (CPU)")

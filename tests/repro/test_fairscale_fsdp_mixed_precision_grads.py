@@ -12,22 +12,13 @@ Setup: one rank (NCCL), a 2-layer MLP on CUDA wrapped as above (compute_dtype fp
 momentum (foreach on CUDA), one clean scaled step. The grads must be fp32 like their params and the
 step must apply. Needs one GPU.
 
-    python tests/repro/test_fairscale_fsdp_mixed_precision_grads.py
+    python -m tests.repro fairscale_fsdp_mixed_precision_grads
 """
-import os
-import sys
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.harness import rank_device, run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
-# a bug of the FSDP implementation: every scaler hits it, ours included
+from tests.harness import rank_device, run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
 
 def _fsdp_step(scaler):
@@ -54,21 +45,13 @@ def _fsdp_step(scaler):
     return dict(dtypes=dtypes, error=error, stepped=stepped)
 
 
-def fsdp_mixed_precision(scaler):
+# a bug of the FSDP implementation: every scaler hits it, ours included
+@case("fairscale FSDP(mixed_precision=True, flatten_parameters=False), world size 1",
+      bugs=["fairscale-fsdp-mixed-precision-grads"], needs="cuda")
+def test_mixed_precision_unflattened_params_step(scaler):
     out = run_on_ranks(_fsdp_step, scaler, world_size=1, device="cuda", timeout=120)[0]
     mismatched = [f"{g} grads on {p} params" for p, g in out["dtypes"] if g != p]
     step = f"step() raised {out['error']}" if out["error"] else f"stepped {out['stepped']}"
     return Outcome(bool(mismatched) or out["error"] is not None or not out["stepped"],
                    f"after backward: {', '.join(mismatched) or 'grad dtypes match the params'}; {step}",
                    "fp32 grads on the fp32 params, and the step applies")
-
-
-@needs_cuda
-@pytest.mark.repro_of("fairscale-fsdp-mixed-precision-grads")
-def test_mixed_precision_unflattened_params_step(scaler):
-    check(scaler, fsdp_mixed_precision)
-
-
-if __name__ == "__main__":
-    main(fsdp_mixed_precision, test_mixed_precision_unflattened_params_step,
-         "fairscale FSDP(mixed_precision=True, flatten_parameters=False), world size 1")

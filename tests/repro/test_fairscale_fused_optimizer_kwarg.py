@@ -9,21 +9,13 @@ instead, and their step() accepts only a closure.
 Setup: one rank, three fp32 params on CUDA with exactly known grads, AdamW(fused=True), one clean
 scaled step. The step must apply. Needs one GPU.
 
-    python tests/repro/test_fairscale_fused_optimizer_kwarg.py
+    python -m tests.repro fairscale_fused_optimizer_kwarg
 """
-import os
-import sys
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.conformance.problem import Problem, build_scaler, equal_lists  # noqa: E402
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-
-pytestmark = pytest.mark.repro
+from tests.conformance.problem import Problem, build_scaler, equal_lists
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
 
 
 def _fused_step(scaler):
@@ -37,17 +29,9 @@ def _fused_step(scaler):
     return not equal_lists(pb.snapshot(), before)
 
 
-def fused_adamw(scaler):
+@case("A clean step with AdamW(fused=True) on CUDA (1 rank)", bugs=["fairscale-fused-optimizer-kwarg"],
+      needs="cuda")
+def test_clean_step_with_fused_adamw(scaler):
     stepped = run_on_ranks(_fused_step, scaler, world_size=1, device="cuda", timeout=60)[0]
     return Outcome(not stepped, f"a clean step with AdamW(fused=True): stepped {stepped}",
                    "steps the fused AdamW")
-
-
-@needs_cuda
-@pytest.mark.repro_of("fairscale-fused-optimizer-kwarg")
-def test_clean_step_with_fused_adamw(scaler):
-    check(scaler, fused_adamw)
-
-
-if __name__ == "__main__":
-    main(fused_adamw, test_clean_step_with_fused_adamw, "A clean step with AdamW(fused=True) on CUDA (1 rank)")

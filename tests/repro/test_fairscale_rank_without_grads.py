@@ -12,32 +12,12 @@ rank 1 only scales a detached loss (no grads); both call step() and update(). Ra
 rank 1 must take part without stepping, and both keep scale 256. A hang is bounded by a 20 s
 timeout. Needs one GPU.
 
-    python tests/repro/test_fairscale_rank_without_grads.py
+    python -m tests.repro fairscale_rank_without_grads
 """
-import os
-import sys
+from tests.repro.runner import case, rank_without_grads
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import pytest  # noqa: E402
-
-from tests.repro import common  # noqa: E402
-from tests.repro.common import check, main, needs_cuda  # noqa: E402
-
-pytestmark = pytest.mark.repro
-
-
-def rank_without_grads(scaler):  # params and grads on CUDA
-    return common.rank_without_grads(scaler, "cuda")
-
-
-@needs_cuda
 # torch.amp.GradScaler has no cross-rank agreement; on the rank without grads it raises the same assert
-@pytest.mark.repro_of("fairscale-rank-without-grads", "torch-amp-not-shard-aware")
-def test_rank_without_grads_on_cuda_takes_part(scaler):
-    check(scaler, rank_without_grads)
-
-
-if __name__ == "__main__":
-    main(rank_without_grads, test_rank_without_grads_on_cuda_takes_part,
-         "A rank without grads (2 gloo ranks, one GPU, grads on CUDA)")
+@case("A rank without grads (2 gloo ranks, one GPU, grads on CUDA)",
+      bugs=["fairscale-rank-without-grads", "torch-amp-not-shard-aware"], needs="cuda")
+def test_rank_without_grads_on_cuda_takes_part(scaler):  # params and grads on CUDA
+    return rank_without_grads(scaler, "cuda")

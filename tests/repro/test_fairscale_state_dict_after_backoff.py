@@ -8,22 +8,15 @@ checkpoint can be saved after the first overflow (the tracker stays an int from 
 GPU (fairscale's scaler disables itself without CUDA); params and grads on CPU, the loss computed on
 the GPU and moved to CPU, world size 1 (NCCL).
 
-    python tests/repro/test_fairscale_state_dict_after_backoff.py
+    python -m tests.repro fairscale_state_dict_after_backoff
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
 
 def _state_after_backoff(scaler):
@@ -40,19 +33,10 @@ def _state_after_backoff(scaler):
     return dict(scale=float(state["scale"]), tracker=int(state["_growth_tracker"]))
 
 
-def state_dict_after_backoff(scaler):
+@case("Scale on CPU, one overflow, then state_dict() (needs a GPU)", bugs=["fairscale-state-dict-after-backoff"],
+      needs="cuda")
+def test_state_dict_after_a_backoff(scaler):
     out = run_on_ranks(_state_after_backoff, scaler, world_size=1, device="cuda")[0]
     return Outcome(out != dict(scale=128.0, tracker=0),
                    f"state_dict() after the backoff: scale {out['scale']}, _growth_tracker {out['tracker']}",
                    "state_dict() returns scale 128.0, _growth_tracker 0")
-
-
-@needs_cuda
-@pytest.mark.repro_of("fairscale-state-dict-after-backoff")
-def test_state_dict_after_a_backoff(scaler):
-    check(scaler, state_dict_after_backoff)
-
-
-if __name__ == "__main__":
-    main(state_dict_after_backoff, test_state_dict_after_a_backoff,
-         "Scale on CPU, one overflow, then state_dict() (needs a GPU)")

@@ -12,21 +12,13 @@ Setup: one rank, params, grads, loss and scale on CPU; one clean scaled step at 
 update(new_scale=torch.tensor(32.0)) on CPU. The scale must become 32. Needs a GPU machine only
 because fairscale's scaler disables itself where CUDA is missing (then update() does nothing).
 
-    python tests/repro/test_fairscale_update_new_scale_cpu_tensor.py
+    python -m tests.repro fairscale_update_new_scale_cpu_tensor
 """
-import os
-import sys
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.conformance.problem import Problem, build_scaler, sgd  # noqa: E402
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-
-pytestmark = pytest.mark.repro
+from tests.conformance.problem import Problem, build_scaler, sgd
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
 
 
 def _update_with_cpu_tensor(scaler):
@@ -39,20 +31,9 @@ def _update_with_cpu_tensor(scaler):
     return s.get_scale()
 
 
-def new_scale_cpu_tensor(scaler):
-    if not torch.cuda.is_available():  # the ranks run on CPU here, so run_on_ranks would not skip
-        pytest.skip("needs CUDA: without it fairscale's ShardedGradScaler disables itself and update() is a no-op")
+@case("update(new_scale=<CPU tensor>) with the scale on CPU (1 rank)", bugs=["fairscale-update-new-scale-cpu-tensor"],
+      needs="cuda")  # without CUDA fairscale's ShardedGradScaler disables itself and update() is a no-op
+def test_update_with_a_cpu_tensor_new_scale(scaler):
     scale = run_on_ranks(_update_with_cpu_tensor, scaler, world_size=1, device="cpu", timeout=60)[0]
     return Outcome(scale != 32.0, f"update(new_scale=torch.tensor(32.0)) on CPU: scale is now {scale}",
                    "sets the scale to 32.0")
-
-
-@needs_cuda
-@pytest.mark.repro_of("fairscale-update-new-scale-cpu-tensor")
-def test_update_with_a_cpu_tensor_new_scale(scaler):
-    check(scaler, new_scale_cpu_tensor)
-
-
-if __name__ == "__main__":
-    main(new_scale_cpu_tensor, test_update_with_a_cpu_tensor_new_scale,
-         "update(new_scale=<CPU tensor>) with the scale on CPU (1 rank)")

@@ -17,22 +17,14 @@ PyTorch's own test of this setting never zeroes the grads.
 Setup: one rank (NCCL), FSDP1 over a 2-layer MLP, bf16 mixed precision keeping bf16 grads, CPU
 offload, SGD, 3 scaled steps, once per zero_grad mode. Needs one GPU.
 
-    python tests/repro/test_fsdp1_keeplow_offload_grad_dtype.py
+    python -m tests.repro fsdp1_keeplow_offload_grad_dtype
 """
-import os
-import sys
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.harness import rank_device, run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.harness import rank_device, run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
-# a bug of the FSDP implementation: every scaler hits it, ours included
 STEPS = 3
 
 
@@ -64,19 +56,11 @@ def _both_modes(scaler):
     return {mode: _train(scaler, mode) for mode in (True, False)}
 
 
-def keeplow_offload(scaler):
+# a bug of the FSDP implementation: every scaler hits it, ours included
+@case("FSDP1 keep_low_precision_grads + CPUOffload, zero_grad in both modes (1 rank)",
+      bugs=["fsdp1-keeplow-offload-grad-dtype"], needs="cuda")
+def test_zero_grad_to_none_then_backward(scaler):
     out = run_on_ranks(_both_modes, scaler, world_size=1, device="cuda", timeout=120)[0]
     return Outcome(any("raised" in story for story in out.values()),
                    f"zero_grad(set_to_none=True): {out[True]}; zero_grad(set_to_none=False): {out[False]}",
                    f"{STEPS} steps train in both zero_grad modes")
-
-
-@needs_cuda
-@pytest.mark.repro_of("fsdp1-keeplow-offload-grad-dtype")
-def test_zero_grad_to_none_then_backward(scaler):
-    check(scaler, keeplow_offload)
-
-
-if __name__ == "__main__":
-    main(keeplow_offload, test_zero_grad_to_none_then_backward,
-         "FSDP1 keep_low_precision_grads + CPUOffload, zero_grad in both modes (1 rank)")

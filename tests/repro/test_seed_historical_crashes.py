@@ -17,24 +17,18 @@
     the CPU kernels of torch 2.3 unscale and update it there. This part needs a GPU (a CUDA scaler,
     a loss computed on the GPU and moved to CPU) and skips without one.
 
-    python tests/repro/test_seed_historical_crashes.py
+    python -m tests.repro seed_historical_crashes
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda, run  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
 # both crashes are fixed for every built-in scaler (without CUDA fairscale's disables itself: its own known bug)
-
 # (a): who unscales CPU grads, and since when
 FIXED_A = {
     "ours": "calls torch._amp_foreach_non_finite_check_and_unscale_ per (device, dtype) group",
@@ -55,7 +49,7 @@ FIXED_B = {
 
 # ------------------------------------------------------------------ (a) the op has a CPU kernel
 
-def op_on_cpu_grads(_scaler=None):
+def op_on_cpu_grads():
     grads = [torch.tensor([2.0, 4.0, 8.0]), torch.tensor([16.0, math.inf, 1.0])]  # fp32 CPU grads, one inf
     found_inf, inv_scale = torch.zeros(()), torch.full((), 0.25)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # issue #421's crash (a)
@@ -64,6 +58,12 @@ def op_on_cpu_grads(_scaler=None):
     return Outcome(found_inf.item() != 1.0 or not unscaled,
                    f"ran on CPU: found_inf {found_inf.item()}, grads {[g.tolist() for g in grads]}",
                    f"found_inf 1.0, grads multiplied by 0.25: {[w.tolist() for w in want]}")
+
+
+@pytest.mark.repro  # no scaler: a plain test (python -m tests.repro runs only the @case functions)
+def test_the_op_runs_on_cpu_grads():
+    outcome = op_on_cpu_grads()
+    assert not outcome.bug, f"{outcome.happened} (want: {outcome.expected})"
 
 
 def _cpu_grads_steps(scaler):
@@ -88,7 +88,8 @@ def _cpu_grads_steps(scaler):
                 scale=s.get_scale())
 
 
-def unscale_cpu_grads(scaler):
+@case("fairscale#421 crash (a) through each scaler: CPU grads and scale, a clean step, then an inf step")
+def test_cpu_grads_unscaled_and_checked(scaler):
     out = run_on_ranks(_cpu_grads_steps, scaler, world_size=1)[0]
     ok = out["exact"] and out["clean_stepped"] and out["inf_skipped"] and out["scale"] == 128.0
     return Outcome(not ok, f"clean step: grads exact {out['exact']}, applied {out['clean_stepped']}; inf step: "
@@ -114,7 +115,8 @@ def _cpu_loss_step(scaler):
                 exact=torch.equal(w.grad, c.cpu()), stepped=not torch.equal(before, w.detach()), scale=s.get_scale())
 
 
-def scale_cpu_loss(scaler):
+@case("fairscale#421 crash (b): a CUDA scaler's scale() given the loss moved to CPU (needs a GPU)", needs="cuda")
+def test_cuda_scaler_takes_a_cpu_loss(scaler):
     out = run_on_ranks(_cpu_loss_step, scaler, world_size=1, device="cuda")[0]
     ok = (out["scaled_device"] == "cpu" and out["scaled_exact"] and out["exact"] and out["stepped"]
           and out["scale"] == 256.0)
@@ -122,31 +124,3 @@ def scale_cpu_loss(scaler):
                            f"grads exact {out['exact']}, step applied {out['stepped']}, scale {out['scale']}; "
                            f"{FIXED_B[scaler]}",
                    "scale() returns loss * 256 on CPU; the step unscales exactly and applies; scale stays 256.0")
-
-
-def test_the_op_runs_on_cpu_grads():
-    outcome = op_on_cpu_grads()
-    assert not outcome.bug, f"{outcome.happened} (want: {outcome.expected})"
-
-
-def test_cpu_grads_unscaled_and_checked(scaler):
-    check(scaler, unscale_cpu_grads)
-
-
-@needs_cuda
-def test_cuda_scaler_takes_a_cpu_loss(scaler):
-    check(scaler, scale_cpu_loss)
-
-
-if __name__ == "__main__":
-    op = run(op_on_cpu_grads, None)
-    print("fairscale#421 crash (a): torch._amp_foreach_non_finite_check_and_unscale_ on fp32 CPU grads, one inf")
-    print(f"{'the op itself':18s} {'BUG' if op.bug else 'ok'}: {op.happened}")
-    if op.bug:
-        print(f"{'':18s} should have: {op.expected}")
-    main(unscale_cpu_grads, test_cpu_grads_unscaled_and_checked,
-         "\nfairscale#421 crash (a) through each scaler: CPU grads and scale, a clean step, "
-                                      "then an inf step")
-    main(scale_cpu_loss, test_cuda_scaler_takes_a_cpu_loss,
-         "\nfairscale#421 crash (b): a CUDA scaler's scale() given the loss moved to CPU "
-                                   "(needs a GPU)")

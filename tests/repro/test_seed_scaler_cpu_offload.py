@@ -21,28 +21,23 @@ GPU and the grads on CPU, and the upstream scalers copy inv_scale/found_inf betw
 non_blocking=True and use the copy before it has surely landed (the async-copy race, KNOWN_BUGS
 async-copy-race-busy-gpu). With the GPU idle at step(), as here (fairscale's backward ends by
 synchronizing its grad copies), 0 of 20 trials missed on the H200, but the suite treats such cells as
-timing-dependent (tests/scalers.py skip_reason), so for those scalers repro 1 checks only what the
+timing-dependent (tests/known_bugs.py race_skip_reason), so for those scalers repro 1 checks only what the
 issue's crash was about: no exception and a finite loss (tests/conformance/test_busy_gpu.py checks the
 race on purpose). Needs one GPU; skips without one.
 
-    python tests/repro/test_seed_scaler_cpu_offload.py
+    python -m tests.repro seed_scaler_cpu_offload
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from tests.harness import run_on_ranks
+from tests.known_bugs import race_skip_reason
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main, needs_cuda  # noqa: E402
-from tests.scalers import make_scaler, skip_reason  # noqa: E402
-
-pytestmark = pytest.mark.repro
 # both repros of fairscale issue #421 pass with every built-in scaler today
 
 
@@ -171,32 +166,17 @@ def _outcome(out, steps, timing_dependent=False):
                    f"no exception, a finite loss, every step applied: {[True] * steps}")
 
 
-def scaler_cpu_offload(scaler):
+@case("fairscale#421 repro 1: test_scaler_cpu_offload (fairscale FSDP cpu_offload + mixed precision, loss on the "
+      "GPU; needs a GPU)", needs="cuda")
+def test_scaler_cpu_offload(scaler):
     out = run_on_ranks(_test_scaler_cpu_offload, scaler, world_size=1, device="cuda")[0]
     # the suite's own table says which built-ins race here (scale on CUDA, grads on CPU: placement "offload")
-    racy = skip_reason(scaler, "test_scaler_cpu_offload", {"placement": "offload"}, cuda=True)
+    racy = race_skip_reason(scaler, "test_scaler_cpu_offload", {"placement": "offload"}, cuda=True)
     return _outcome(out, 1, timing_dependent=bool(racy))
 
 
-def train_for_several_steps(scaler):
+@case("fairscale#421 repro 2: _train_for_several_steps, loss.to(model_device) (CPU), 2 steps (needs a GPU)",
+      needs="cuda")
+def test_train_for_several_steps_loss_on_model_device(scaler):
     out = run_on_ranks(_seed_training, scaler, 2, world_size=1, device="cuda")[0]
     return _outcome(out, 2)  # scale and grads both on CPU: nothing races
-
-
-@needs_cuda
-def test_scaler_cpu_offload(scaler):
-    check(scaler, scaler_cpu_offload)
-
-
-@needs_cuda
-def test_train_for_several_steps_loss_on_model_device(scaler):
-    check(scaler, train_for_several_steps)
-
-
-if __name__ == "__main__":
-    main(scaler_cpu_offload, test_scaler_cpu_offload,
-         "fairscale#421 repro 1: test_scaler_cpu_offload (fairscale FSDP cpu_offload + mixed "
-                                   "precision, loss on the GPU; needs a GPU)")
-    main(train_for_several_steps, test_train_for_several_steps_loss_on_model_device,
-         "\nfairscale#421 repro 2: _train_for_several_steps, loss.to(model_device) (CPU), "
-                                        "2 steps (needs a GPU)")

@@ -7,23 +7,16 @@ shape-[1] tensor the fused kernel cannot subtract from its shape-[] step counter
 it checks grads through _check_inf_per_device, which never reaches ShardedGradScaler.unscale_'s
 all_reduce. Found by the FSDP-vs-DDP matrix (torch 2.11 CUDA and 2.13 CPU). Runs on CPU (gloo).
 
-    python tests/repro/test_sharded_scaler_fused_optimizer.py
+    python -m tests.repro sharded_scaler_fused_optimizer
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+import torch.distributed as dist
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
 
 def _fused_step(scaler, unscale_first, inf_on_rank):
@@ -43,33 +36,20 @@ def _fused_step(scaler, unscale_first, inf_on_rank):
     return not torch.equal(before, model.weight)
 
 
-def after_unscale(scaler):
+# fairscale's scaler cannot drive a fused optimizer at all (on CPU-only machines it is disabled instead)
+@case("ShardedGradScaler + fused AdamW: unscale_ then step()",
+      bugs=["torch-sharded-fused-adamw-after-unscale", "fairscale-fused-optimizer-kwarg"])
+def test_unscale_then_fused_step(scaler):
     run_on_ranks(_fused_step, scaler, True, None, world_size=1)
     return Outcome(False, "unscale_ -> clip_grad_norm_ -> step() stepped the fused AdamW",
                    "steps the fused optimizer after an explicit unscale_")
 
 
-def inf_on_one_rank(scaler):
+# torch.amp.GradScaler never agrees across ranks (it relies on DDP's all-reduced grads), fused or not
+@case("ShardedGradScaler + fused AdamW: an inf on one rank only (2 gloo ranks)",
+      bugs=["torch-sharded-fused-adamw-no-agreement", "fairscale-fused-optimizer-kwarg",
+            "torch-amp-not-shard-aware-fsdp"])
+def test_inf_on_one_rank_with_fused_optimizer(scaler):
     stepped = run_on_ranks(_fused_step, scaler, False, 1, world_size=2)
     return Outcome(stepped != [False, False], f"inf only on rank 1: stepped per rank {stepped}",
                    "every rank skips: [False, False]")
-
-
-# fairscale's scaler cannot drive a fused optimizer at all (on CPU-only machines it is disabled instead)
-@pytest.mark.repro_of("torch-sharded-fused-adamw-after-unscale", "fairscale-fused-optimizer-kwarg")
-def test_unscale_then_fused_step(scaler):
-    check(scaler, after_unscale)
-
-
-# torch.amp.GradScaler never agrees across ranks (it relies on DDP's all-reduced grads), fused or not
-@pytest.mark.repro_of("torch-sharded-fused-adamw-no-agreement", "fairscale-fused-optimizer-kwarg",
-                      "torch-amp-not-shard-aware-fsdp")
-def test_inf_on_one_rank_with_fused_optimizer(scaler):
-    check(scaler, inf_on_one_rank)
-
-
-if __name__ == "__main__":
-    main(after_unscale, test_unscale_then_fused_step,
-         "ShardedGradScaler + fused AdamW: unscale_ then step()")
-    main(inf_on_one_rank, test_inf_on_one_rank_with_fused_optimizer,
-         "\nShardedGradScaler + fused AdamW: an inf on one rank only (2 gloo ranks)")

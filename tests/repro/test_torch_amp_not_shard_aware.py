@@ -8,25 +8,16 @@ scales disagree. A shard-aware scaler all-reduces found_inf over the process gro
 rank skips and backs off. Two gloo ranks on CPU, each holding its own grads (as FSDP's shards), an
 inf on rank 1 only. Runs on CPU (torch 2.13).
 
-    python tests/repro/test_torch_amp_not_shard_aware.py
+    python -m tests.repro torch_amp_not_shard_aware
 """
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+import torch.distributed as dist
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from tests.harness import run_on_ranks  # noqa: E402
-from tests.repro.common import Outcome, check, main  # noqa: E402
-from tests.scalers import make_scaler  # noqa: E402
-
-pytestmark = pytest.mark.repro
-# fairscale's scaler: disabled without CUDA; with CUDA, fairscale-cpu-found-inf-not-agreed (its CPU found_inf
-# is never agreed)
+from tests.harness import run_on_ranks
+from tests.repro.runner import Outcome, case
+from tests.scalers import make_scaler
 
 
 def _inf_on_rank1(scaler):
@@ -43,18 +34,13 @@ def _inf_on_rank1(scaler):
     return dict(stepped=not torch.equal(before, shard.detach()), scale=s.get_scale())
 
 
-def inf_on_one_rank(scaler):
+# fairscale's scaler: disabled without CUDA; with CUDA, fairscale-cpu-found-inf-not-agreed (its CPU found_inf
+# is never agreed)
+@case("Sharded grads, an inf on rank 1 only (2 gloo ranks, CPU)",
+      bugs=["torch-amp-not-shard-aware", "fairscale-cpu-found-inf-not-agreed"])
+def test_inf_on_one_rank_of_two(scaler):
     out = run_on_ranks(_inf_on_rank1, scaler, world_size=2)
     stepped, scales = [o["stepped"] for o in out], [o["scale"] for o in out]
     return Outcome(stepped != [False, False] or scales != [128.0, 128.0],
                    f"inf only on rank 1: stepped per rank {stepped}, scale per rank {scales}",
                    "every rank skips and backs off: stepped [False, False], scale [128.0, 128.0]")
-
-
-@pytest.mark.repro_of("torch-amp-not-shard-aware", "fairscale-cpu-found-inf-not-agreed")
-def test_inf_on_one_rank_of_two(scaler):
-    check(scaler, inf_on_one_rank)
-
-
-if __name__ == "__main__":
-    main(inf_on_one_rank, test_inf_on_one_rank_of_two, "Sharded grads, an inf on rank 1 only (2 gloo ranks, CPU)")

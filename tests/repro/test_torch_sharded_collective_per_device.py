@@ -12,34 +12,14 @@ on CUDA and runs a clean scaled backward; rank 1 only scales a detached loss (no
 step() and update(). Rank 0 must step, rank 1 must take part without stepping, both keep scale 256.
 The hang is bounded by a 20 s timeout. Needs one GPU.
 
-    python tests/repro/test_torch_sharded_collective_per_device.py
+    python -m tests.repro torch_sharded_collective_per_device
 """
-import os
-import sys
+from tests.repro.runner import case, rank_without_grads
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import pytest  # noqa: E402
-
-from tests.repro import common  # noqa: E402
-from tests.repro.common import check, main, needs_cuda  # noqa: E402
-
-pytestmark = pytest.mark.repro
-
-
-def rank_without_grads(scaler):  # params 0 and 2 on CPU, param 1 on CUDA; the scale on CUDA
-    return common.rank_without_grads(scaler, "mixed")
-
-
-@needs_cuda
 # not this bug, but deterministic here: fairscale records no found_inf on the rank without grads
 # (test_fairscale_rank_without_grads.py), and torch.amp.GradScaler has no cross-rank agreement
-@pytest.mark.repro_of("torch-sharded-collective-per-device", "fairscale-rank-without-grads",
-                      "torch-amp-not-shard-aware")
-def test_rank_with_grads_on_two_devices_and_rank_without_grads(scaler):
-    check(scaler, rank_without_grads)
-
-
-if __name__ == "__main__":
-    main(rank_without_grads, test_rank_with_grads_on_two_devices_and_rank_without_grads,
-         "Grads on CPU and CUDA on rank 0, none on rank 1 (2 gloo ranks, one GPU, scale on CUDA)")
+@case("Grads on CPU and CUDA on rank 0, none on rank 1 (2 gloo ranks, one GPU, scale on CUDA)",
+      bugs=["torch-sharded-collective-per-device", "fairscale-rank-without-grads", "torch-amp-not-shard-aware"],
+      needs="cuda")
+def test_rank_with_grads_on_two_devices_and_rank_without_grads(scaler):  # params 0, 2 on CPU, 1 on CUDA; scale on CUDA
+    return rank_without_grads(scaler, "mixed")

@@ -1,4 +1,4 @@
-"""Run by test_harness.py in a child pytest with a small FSDP_AMP_GPU_CONTEXTS (not collected by
+"""Run by test_harness_gpu.py in a child pytest with a small FSDP_AMP_GPU_CONTEXTS (not collected by
 default): two workers whose pools together want more CUDA contexts than the budget allows."""
 import os
 
@@ -18,4 +18,4 @@ def _rank():
 def test_pools_take_turns_within_the_budget(world_size, device, i):
     assert run_on_ranks(_rank, world_size=world_size, device=device) == list(range(world_size))
     held = sum(len(p.slots) for p in session().pools.values())
-    assert held <= session().budget(0) == int(os.environ["FSDP_AMP_GPU_CONTEXTS"])
+    assert held <= session().gpu_budget.budget(0) == int(os.environ["FSDP_AMP_GPU_CONTEXTS"])

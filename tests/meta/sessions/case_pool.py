@@ -1,4 +1,4 @@
-"""Run by test_harness.py in a child pytest (not collected by default): uses the rank pool."""
+"""Run by test_harness_sessions.py in a child pytest (not collected by default): uses the rank pool."""
 import os
 import time
 

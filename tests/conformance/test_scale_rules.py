@@ -1,0 +1,119 @@
+"""The GradScaler contract on one rank, for the scale itself: growth after exactly growth_interval clean
+steps, backoff, the trajectory against the reference model, no growth to inf, update(new_scale=...),
+and state_dict round trips that resume identically.
+
+Each test runs the scaler under test on a rank of the pool (world_size 1) and compares what the rank
+observed with the reference model (problem.reference_scales).
+"""
+
+import pytest
+import torch
+
+from tests.conformance.problem import (Problem, build_scaler, equal_lists, placement_params, reference_scales, run_at,
+                                       run_steps, sgd)
+
+pytestmark = pytest.mark.conformance
+REPORT_COLUMN = "single rank"  # the compatibility report's column for these checks (tests/report.py)
+
+ALL_PLACEMENTS = placement_params()
+
+
+# ------------------------------------------------------------------ the scale rules
+
+def _trajectory(spec, placement, init_scale, growth_factor, backoff_factor, growth_interval, pattern):
+    pb = Problem(placement)
+    s = build_scaler(spec, pb, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+              growth_interval=growth_interval)
+    opt = sgd(pb.params, lr=0.0)  # lr 0: params stay put, so grads never overflow by themselves
+    return run_steps(s, pb, opt, pattern, bad_index=1)
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_growth_after_exactly_growth_interval_clean_steps(scaler, placement):
+    scales = run_at(placement, _trajectory, scaler, placement, 128.0, 4.0, 0.5, 3, [False] * 7)[0]
+    assert scales == [128.0, 128.0, 512.0, 512.0, 512.0, 2048.0, 2048.0]
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_scale_trajectory_matches_reference_model(scaler, placement):
+    rng = torch.Generator().manual_seed(7)
+    pattern = (torch.rand(40, generator=rng) < 0.3).tolist()
+    pattern[10:14] = [False] * 4  # make sure a growth happens right after a backoff
+    got = run_at(placement, _trajectory, scaler, placement, 1000.0, 3.0, 0.125, 3, pattern)[0]
+    assert got == reference_scales(1000.0, 3.0, 0.125, 3, pattern)
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_growth_never_overflows_to_inf(scaler, placement):
+    top = 2.0 ** 127  # float32 max is just under 2**128: one more growth would be inf
+    got = run_at(placement, _trajectory, scaler, placement, top, 2.0, 0.5, 1, [False, False])[0]
+    assert got == [top, top], "growth must be skipped when the grown scale is not finite"
+
+
+# ------------------------------------------------------------------ update(new_scale)
+
+def _new_scale(spec, placement, as_tensor):
+    pb = Problem(placement)
+    s = build_scaler(spec, pb, init_scale=256.0)
+    opt = sgd(pb.params)
+    pb.backward(s)
+    s.step(opt)
+    s.update(torch.tensor(32.0, device=pb.scaler_device) if as_tensor else 32.0)
+    set_scale = s.get_scale()
+    pb.zero_grad()
+    pb.backward(s)
+    grads_scaled = [p.grad.detach().cpu().clone() for p in pb.params]
+    s.step(opt)
+    s.update()
+    return dict(set_scale=set_scale, scaled=grads_scaled, targets=[c.cpu() for c in pb.targets],
+                grads=pb.grads())
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "tensor"])
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_update_with_new_scale(scaler, placement, as_tensor):
+    out = run_at(placement, _new_scale, scaler, placement, as_tensor)[0]
+    assert out["set_scale"] == 32.0
+    assert equal_lists(out["scaled"], [c * 32 for c in out["targets"]]), "the next backward uses the new scale"
+    assert equal_lists(out["grads"], out["targets"])
+
+
+class _RecordingSGD(torch.optim.SGD):
+    def step(self, closure=None, tag=None):
+        super().step()
+        return ("stepped", tag)
+
+
+# ------------------------------------------------------------------ state_dict
+
+def _resume(spec, placement, pattern, split):
+    train = run_steps
+    kw = dict(init_scale=64.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    pb = Problem(placement)
+    whole = build_scaler(spec, pb, **kw)
+    opt = sgd(pb.params)
+    uninterrupted = train(whole, pb, opt, pattern)
+    whole_params = pb.snapshot()
+
+    pb = Problem(placement)
+    first = build_scaler(spec, pb, **kw)
+    opt = sgd(pb.params)
+    before = train(first, pb, opt, pattern[:split])
+    saved = first.state_dict()
+    second = build_scaler(spec, pb, init_scale=2.0**16, growth_interval=2000)  # settings come from the state
+    second.load_state_dict(saved)
+    after = train(second, pb, opt, pattern[split:])
+    return dict(uninterrupted=uninterrupted, resumed=before + after, saved=saved,
+                whole_params=whole_params, resumed_params=pb.snapshot())
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_state_dict_round_trip_resumes_identically(scaler, placement):
+    pattern = [False, True, False, False, False, False, True, False, False, False, False]
+    out = run_at(placement, _resume, scaler, placement, pattern, 4)[0]  # saved 2 clean steps into an interval
+    saved = out["saved"]
+    assert {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} <= set(saved)
+    assert float(saved["scale"]) == 32.0 and int(saved["_growth_tracker"]) == 2
+    assert (float(saved["growth_factor"]), float(saved["backoff_factor"]), int(saved["growth_interval"])) == (2.0, 0.5, 3)
+    assert out["resumed"] == out["uninterrupted"] == reference_scales(64.0, 2.0, 0.5, 3, pattern)
+    assert equal_lists(out["resumed_params"], out["whole_params"])

@@ -1,0 +1,104 @@
+"""Whether a check should pass, be a strict xfail or skip: one pure function, decided once.
+
+`expectation(...)` takes plain data (the scaler spec, the test function, its params, the repro case's
+declaration, the consumer's --xfails-file entry, the machine) and returns an `Expectation`. The root
+conftest applies it to every collected item and the repro runner's script mode prints it
+(tests/repro/runner.py), so a script and pytest cannot disagree. Nothing else adds skip or xfail marks
+from the tables; tests/meta/test_expectations.py tests the policy as a table.
+
+The policy, in order:
+1. A cell this machine cannot run (tests/matrix/axes.py skip_reason), or a repro case whose hardware is
+   missing: skip.
+2. A built-in scaler's cell made timing-dependent by a race (KNOWN_BUGS async-copy-race-busy-gpu): skip,
+   unless the known bug there shows whatever the race does (`beats_race`).
+3. A known bug in force on these versions: strict xfail with the bug's reason.
+4. The consumer's --xfails-file entry: strict xfail.
+5. Otherwise the check must pass.
+Whatever the outcome, `bug_any_version` names the check's known bug on any version (where it runs), so
+the version table tells "fixed here" from "never hit".
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping
+
+from tests import versions
+from tests.known_bugs import known_bug, race_skip_reason, repro_bug
+from tests.matrix import axes
+
+NEEDS = {
+    "cuda": lambda m: None if m.cuda else "needs CUDA (one GPU): this bug lives in the CUDA code path; torch sees "
+                                          "no GPU here",
+    "no-cuda": lambda m: "shows only on a machine without CUDA (torch sees a GPU here)" if m.cuda else None,
+}
+
+
+@dataclass(frozen=True)
+class Machine:
+    cuda: bool
+    n_gpus: int
+    versions: Mapping  # {package: Version or None}: tests/versions.py here()
+
+    @classmethod
+    def here(cls) -> Machine:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        return cls(cuda, torch.cuda.device_count() if cuda else 0, versions.here())
+
+
+@dataclass(frozen=True)
+class ReproOf:
+    """A repro case's declaration (tests/repro/runner.py @case): the KNOWN_BUGS ids it shows, the placement
+    it races at (if any), the hardware it needs (a NEEDS key, if any)."""
+    bugs: tuple = ()
+    placement: str | None = None
+    needs: str | None = None
+
+
+@dataclass(frozen=True)
+class Expectation:
+    skip: str | None = None             # why the check does not run here
+    xfail: str | None = None            # the reason of a strict xfail
+    bug: str | None = None              # the KNOWN_BUGS id behind xfail
+    xfails_file: str | None = None      # the --xfails-file entry behind xfail
+    bug_any_version: str | None = None  # the check's known bug on any version (the version table)
+
+
+def expectation(scaler: str | None, test: str, params: dict, *, machine: Machine, repro_of: ReproOf | None = None,
+                their_entry=None, bugs=None) -> Expectation:
+    """The expectation of one check. scaler: its --scaler spec (None: not a scaler check); test: the test
+    function's name; params: its callspec params (a matrix cell under "cell"); their_entry: the matching
+    --xfails-file entry (tests/xfails.py) or None; bugs: a KNOWN_BUGS of one's own (the meta-tests').
+    ValueError where repro_of names no known bug."""
+    cell = params.get("cell")
+    unrunnable = (cell is not None and axes.skip_reason(cell, machine.n_gpus)) or (
+        repro_of and repro_of.needs and NEEDS[repro_of.needs](machine))
+    if unrunnable:
+        return Expectation(skip=unrunnable)
+    theirs = Expectation(xfail=f"{their_entry.reason} (--xfails-file line {their_entry.line})",
+                         xfails_file=their_entry.check) if their_entry else Expectation()
+    if scaler is None:
+        return theirs
+
+    def bug_of_check(any_version):
+        return known_bug(scaler, test, params, machine.cuda, any_version=any_version, bugs=bugs, on=machine.versions)
+
+    in_force, any_version = bug_of_check(False), bug_of_check(True)
+    race = race_skip_reason(scaler, test, params, machine.cuda)
+    if repro_of and not any_version:  # a repro case: the bug it shows; the placement it races at, if any
+        in_force = repro_bug(scaler, repro_of.bugs, bugs=bugs, on=machine.versions)
+        any_version = repro_bug(scaler, repro_of.bugs, any_version=True, bugs=bugs)
+        race = repro_of.placement and race_skip_reason(scaler, test, {"placement": repro_of.placement}, machine.cuda)
+        # the case shows its bug whatever the race (its author checked it on the GPU)
+        shows_in_force = shows_any_version = any_version is not None
+    else:
+        shows_in_force = bool(in_force and in_force.beats_race)
+        shows_any_version = bool(any_version and any_version.beats_race)
+    named = any_version.id if any_version and not (race and not shows_any_version) else None
+    if race and not shows_in_force:
+        return Expectation(skip=race, bug_any_version=named)
+    if in_force:
+        return Expectation(xfail=in_force.reason, bug=in_force.id, bug_any_version=named)
+    return dataclasses.replace(theirs, bug_any_version=named)

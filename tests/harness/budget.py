@@ -1,0 +1,173 @@
+"""How the suite's xdist workers share the GPUs: which GPUs a worker uses, the locks a GPU task holds, and
+the CUDA context budget.
+
+Every rank of a GPU pool owns a CUDA context, and idle pools stay alive, so without a bound the contexts on
+a GPU grow with xdist workers x pool sizes until it runs out of memory (14 workers x 7 ranks = 98 contexts
+fill an H200's 140 GiB: ~1.4 GiB each with a task's working set). Each GPU has a budget of context slots
+shared by every worker (flock'ed slot files); a pool holds one per rank on that GPU for its life. A worker
+waiting for slots touches a 'wanted' file, and the other workers retire their idle GPU pools when they see it.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import subprocess
+import time
+
+from tests.harness.failures import RankFailure
+
+CONTEXT_GIB = 2.0  # one rank's CUDA context plus a task's working set, with margin over the ~1.4 measured
+
+
+def profile(event: str, seconds: float, **info) -> None:
+    """Where a run's time goes (benchmarks/gpu.py): with FSDP_AMP_PROFILE_DIR set, one JSON line per
+    pool start-up and per lock wait, in a file per xdist worker."""
+    folder = os.environ.get("FSDP_AMP_PROFILE_DIR")
+    if folder:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(folder, f"{worker}.jsonl"), "a") as f:
+            f.write(json.dumps(dict(event=event, seconds=round(seconds, 4), **info)) + "\n")
+
+
+def worker_gpus() -> list[int]:
+    """Every visible GPU, rotated so that xdist worker k starts at GPU k (spreads the load).
+
+    Different workers may share a GPU: their ranks are separate process groups. Only the ranks of
+    one NCCL group need distinct GPUs, which missing_requirement checks.
+    """
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return [(index + g) % n for g in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def context_budget(gpu: int) -> int:
+    """How many CUDA contexts of this suite may live on one GPU at once, across xdist workers:
+    FSDP_AMP_GPU_CONTEXTS, else 90% of the GPU's memory (nvidia-smi; no CUDA context is made
+    for asking) over CONTEXT_GIB, else 16."""
+    if os.environ.get("FSDP_AMP_GPU_CONTEXTS"):
+        return max(1, int(os.environ["FSDP_AMP_GPU_CONTEXTS"]))
+    try:
+        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i",
+                              str(gpu)], capture_output=True, text=True, timeout=30, check=True).stdout
+        return max(1, int(float(mib.split()[0]) / 1024 * 0.9 / CONTEXT_GIB))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 16
+
+
+class GpuBudget:
+    """One harness's side of the sharing: its lock files, its context budget, its wait for slots.
+
+        lock_dir         where the GPU locks and context slot files live (shared by the workers that use it)
+        contexts         CUDA contexts allowed per GPU (None: context_budget(gpu), shared by every worker)
+        startup_timeout  seconds a wait for context slots may take, retiring idle pools included
+
+    The pools it retires are the harness's: a dict {key: pool} passed in, each pool with `slots` (its
+    open slot files), `slot_gpus` (the GPUs they are on) and shutdown(within=seconds).
+    """
+
+    def __init__(self, lock_dir: str, contexts: int | None, startup_timeout: float):
+        self.lock_dir, self.contexts, self.startup_timeout = lock_dir, contexts, startup_timeout
+
+    def lock_path(self, name: str) -> str:
+        return os.path.join(self.lock_dir, f"fsdp-amp-suite-{name}.lock")
+
+    def budget(self, gpu: int) -> int:
+        return self.contexts if self.contexts is not None else context_budget(gpu)
+
+    def take_slots(self, per_gpu: dict[int, int]) -> list | None:
+        """Take per_gpu[g] free context slots on each GPU g, all or none (no hold-and-wait): the open,
+        flock'ed slot files (closing one releases it), or None."""
+        held = []
+        for gpu, n in sorted(per_gpu.items()):
+            got = 0
+            for i in range(self.budget(gpu)):
+                if got == n:
+                    break
+                f = open(self.lock_path(f"gpu{gpu}-context{i}"), "w")
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    f.close()
+                    continue
+                held.append(f)
+                got += 1
+            if got < n:
+                for f in held:
+                    f.close()
+                return None
+        return held
+
+    def wait_for_slots(self, per_gpu: dict[int, int], pools: dict) -> list:
+        """The context slots a new pool's ranks need (per_gpu: GPU -> ranks on it). While a GPU's budget is
+        spent, the idle `pools` that hold slots on the GPUs wanted are retired (no others: retiring a CUDA
+        pool costs seconds and frees nothing here); then the other workers are asked to retire theirs (the
+        'wanted' file they look at before each task). The whole wait, retiring included, is bounded by
+        startup_timeout; past it, the failure says what is held."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            held = self.take_slots(per_gpu)
+            if held is not None:
+                return held
+            left = deadline - time.monotonic()
+            if left <= 0:
+                budget = {g: self.budget(g) for g in per_gpu}
+                raise RankFailure(f"could not get CUDA contexts for {sum(per_gpu.values())} rank(s) on GPU(s) "
+                                  f"{dict(per_gpu)} within {self.startup_timeout:g} s: every slot of the per-GPU "
+                                  f"budget {budget} is held by other pools of this suite (set FSDP_AMP_GPU_CONTEXTS, "
+                                  f"or run fewer xdist workers)")
+            retire = [k for k, p in pools.items() if p.slot_gpus & set(per_gpu)]
+            if retire:
+                pools.pop(retire[0]).shutdown(within=left)
+                continue
+            with open(self.lock_path("contexts-wanted"), "w"):
+                pass  # its mtime tells the other workers to retire their idle GPU pools
+            time.sleep(min(0.1, left))
+
+    def yield_idle_contexts(self, pools: dict, keep) -> None:
+        """If another worker waits for context slots, retire the idle GPU `pools` (all but the one keyed `keep`)."""
+        try:
+            wanted = time.time() - os.stat(self.lock_path("contexts-wanted")).st_mtime < 2.0
+        except FileNotFoundError:
+            return
+        if wanted:
+            for k in [k for k, p in pools.items() if p.slots and k != keep]:
+                pools.pop(k).shutdown()
+
+    @contextlib.contextmanager
+    def task_locks(self, world_size: int, device: str, exclusive: bool):
+        """flock each GPU the task uses: shared by ordinary tasks, exclusive for timing-sensitive ones.
+
+        A timing check (an async copy racing queued kernels) must see only its own queued work, so it
+        waits until no other worker's task runs on its GPUs; everything else shares them. The shared
+        take is made under a brief exclusive gate, as the exclusive one is, so a stream of shared tasks
+        cannot starve an exclusive one (flock alone has no writer preference). CPU tasks take no lock.
+        """
+        if device == "cpu":
+            yield
+            return
+        gpus = worker_gpus()[: world_size if device == "cuda" else 1]
+
+        def lock_file(name):
+            return stack.enter_context(open(self.lock_path(name), "w"))
+
+        with contextlib.ExitStack() as stack:
+            asked = time.monotonic()
+            gate = lock_file("gate")
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            for g in sorted(gpus):  # one global order: no lock-order deadlock between workers
+                fcntl.flock(lock_file(f"gpu{g}"), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            profile("lock_wait", time.monotonic() - asked, exclusive=exclusive)
+            held = time.monotonic()
+            try:
+                yield
+            finally:
+                if exclusive:  # every other worker's GPU task waits this long
+                    profile("exclusive_hold", time.monotonic() - held)

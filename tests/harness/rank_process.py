@@ -1,0 +1,106 @@
+"""Inside each rank process of a pool: set up once, then run task after task until told to stop.
+
+A rank writes its output to its own log file (the parent reads it back for a failure), dumps its stacks on
+SIGUSR1 (faulthandler: the parent asks for them when a task hangs), dies with its parent (PR_SET_PDEATHSIG
+plus a watchdog thread), also when pytest is SIGKILLed, and ends with os._exit: gloo+FSDP ranks sometimes
+abort in interpreter teardown.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import gc
+import itertools
+import os
+import signal
+import sys
+import threading
+import time
+
+from tests.harness.task import Ready, Task, run_task, set_rank_device
+
+
+def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[int], store_path: str,
+              tasks, results, parent_pid: int, log_path: str, budget: dict) -> None:
+    """The target of a pool's rank process: `tasks` brings a Task (or Stop), `results` takes one Ready, then
+    run_task's Outcome of each Task. `budget` ({GPU: contexts}) is quoted if the rank gets no CUDA context."""
+    _die_with_parent(parent_pid)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    import torch
+    import torch.distributed as dist
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        # every worker's every rank at the default thread count oversubscribes the cores, and
+        # spinning OpenMP threads can then stall a tiny step for seconds
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world_size * workers)))
+    if device == "cpu":
+        set_rank_device(torch.device("cpu"))
+    else:
+        gpu = gpus[rank] if device == "cuda" else gpus[0]
+        try:
+            torch.cuda.set_device(gpu)
+            torch.zeros(1, device=f"cuda:{gpu}")  # the context is made here, not in the first task
+        except RuntimeError as exc:
+            results.put(Ready(rank, f"rank {rank} could not get a CUDA context on GPU {gpu}: {exc}\n"
+                                    f"(this suite's budget is {budget.get(gpu, '?')} contexts per GPU; other "
+                                    f"processes may hold its memory)"))
+            results.close()
+            results.join_thread()  # the message must leave before the process does
+            os._exit(4)
+        set_rank_device(torch.device("cuda", gpu))
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(hours=1))  # the parent times tasks out, not the PG
+    _clean_up()
+    results.put(Ready(rank))
+    while isinstance(task := tasks.get(), Task):
+        results.put(run_task(task, rank))
+        task = None  # let _clean_up free them
+        _clean_up()  # while the parent checks the result
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo+FSDP ranks can abort in it
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:  # immediate on Linux: the kernel signals us when the parent dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch():  # fallback and double check: polled
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+
+_tasks_done = itertools.count(1)
+
+
+def _clean_up() -> None:
+    """After a task: free its garbage (and the CUDA memory it held), then freeze the survivors.
+
+    gc.freeze keeps the next collection to objects created since, so cleaning costs ~1 ms
+    instead of ~100 ms with torch and FSDP imported. Cycles that form among frozen objects later
+    are swept by a full unfrozen collection every 64 tasks.
+    """
+    import torch
+
+    if next(_tasks_done) % 64 == 0:
+        gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

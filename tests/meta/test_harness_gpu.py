@@ -1,0 +1,154 @@
+"""The harness on GPUs: the device modes (gloo ranks sharing a GPU, NCCL ranks on one GPU each), results
+back on the host, and the CUDA context budget that the xdist workers share (budget.py): slots taken all or
+none, a spent budget failing in bounded time saying so, idle pools retired to make room.
+
+The budget's bookkeeping is checked on slot files of a fake GPU, so most of it runs without CUDA."""
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.child_run import ROOT
+from tests.harness import Harness, RankFailure, rank_device
+from tests.meta.sessions.children import SESSIONS, child_env
+
+pytestmark = pytest.mark.harness
+
+
+def _shared_gpu_all_reduce():
+    t = torch.ones(2, device=rank_device()) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return str(rank_device()), t
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """This module's own ranks: its pools never touch the session's harness."""
+    with Harness() as own:
+        yield own
+
+
+# ---------------------------------------------------------------- the CUDA context budget
+
+FAKE_GPU = 97  # slot files only: no CUDA needed to check the bookkeeping
+
+
+def test_context_slots_are_taken_all_or_none_within_the_budget(tmp_path):
+    with Harness(contexts=3, lock_dir=str(tmp_path)) as own:
+        two = own.gpu_budget.take_slots({FAKE_GPU: 2})
+        assert len(two) == 2
+        assert own.gpu_budget.take_slots({FAKE_GPU: 2}) is None, "only 1 of 3 slots is left"
+        one = own.gpu_budget.take_slots({FAKE_GPU: 1})
+        assert len(one) == 1, "the refused take of 2 must not keep the slot it found"
+        for f in two:
+            f.close()
+        assert len(own.gpu_budget.take_slots({FAKE_GPU: 2})) == 2
+
+
+class _IdlePool:
+    """Stands for an idle GPU pool of a harness: holds context slots on one GPU; shutdown releases them."""
+
+    def __init__(self, harness, gpu, seconds_to_stop=0.0):
+        self.slots, self.slot_gpus = harness.gpu_budget.take_slots({gpu: 1}), {gpu}
+        self.seconds_to_stop = seconds_to_stop
+        self.stopped_within = None
+
+    def shutdown(self, graceful=True, within=10.0):
+        self.stopped_within = within
+        time.sleep(min(self.seconds_to_stop, within))
+        for f in self.slots:
+            f.close()
+        self.slots = []
+
+
+def test_a_spent_context_budget_fails_in_bounded_time_saying_so(tmp_path):
+    """The budget is spent by another worker's pool (slots held here), this harness has idle pools on other
+    GPUs only, and retiring one would take 30 s: none is retired, and the wait ends at startup_timeout."""
+    with Harness(contexts=2, lock_dir=str(tmp_path), startup_timeout=0.5) as own:
+        held = own.gpu_budget.take_slots({FAKE_GPU: 2})  # another worker's pool
+        elsewhere = own.pools["elsewhere"] = _IdlePool(own, FAKE_GPU + 1, seconds_to_stop=30)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(RankFailure, match=r"could not get CUDA contexts for 1 rank\(s\) on GPU\(s\) "
+                               r"\{97: 1\} within 0.5 s: every slot of the per-GPU budget \{97: 2\} is held"):
+                own.gpu_budget.wait_for_slots({FAKE_GPU: 1}, own.pools)
+        finally:
+            seconds = time.monotonic() - t0
+            stand_ins, own.pools = dict(own.pools), {}  # nothing real to stop on the way out
+        assert seconds < 5, f"took {seconds:.1f} s"
+        assert "elsewhere" in stand_ins and elsewhere.stopped_within is None, \
+            "a pool on another GPU was retired: it frees nothing on the GPU waited for"
+        del held
+
+
+def test_an_idle_pool_on_the_gpu_waited_for_is_retired_within_the_bound(tmp_path):
+    with Harness(contexts=1, lock_dir=str(tmp_path), startup_timeout=2.0) as own:
+        mine = own.pools["mine"] = _IdlePool(own, FAKE_GPU, seconds_to_stop=30)  # the budget's one slot
+        t0 = time.monotonic()
+        got = own.gpu_budget.wait_for_slots({FAKE_GPU: 1}, own.pools)
+        assert len(got) == 1 and "mine" not in own.pools, "the idle pool holding the slot must be retired"
+        assert mine.stopped_within is not None and mine.stopped_within <= 2.0, \
+            f"retiring was given {mine.stopped_within} s: the bound must cover it"
+        assert time.monotonic() - t0 < 2.0 + 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): CUDA contexts are what is budgeted")
+def test_workers_pools_share_a_small_context_budget(tmp_path):
+    """Two workers want 2 x (4 + 2 + 1) contexts under a budget of 5: they retire idle pools and take
+    turns instead of running the GPU out of memory or waiting forever."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                           os.path.join(SESSIONS, "case_gpu_budget.py")],
+                          cwd=ROOT, env=child_env(uuid.uuid4().hex, tmp_path, FSDP_AMP_GPU_CONTEXTS="5",
+                                                  TMPDIR=str(tmp_path)),  # slot files of its own
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    assert "18 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+# ---------------------------------------------------------------- GPU device modes
+
+@pytest.mark.gpu
+def test_two_gloo_ranks_share_one_gpu(harness):
+    out = harness.run(_shared_gpu_all_reduce, world_size=2, device="cuda-shared")
+    assert [dev for dev, _ in out] == ["cuda:0", "cuda:0"] or len({dev for dev, _ in out}) == 1
+    assert all(torch.equal(t, torch.full((2,), 3.0)) for _, t in out)
+
+
+@pytest.mark.gpu
+def test_one_nccl_rank_on_one_gpu(harness):
+    out = harness.run(_shared_gpu_all_reduce, world_size=1, device="cuda")
+    assert out[0][0].startswith("cuda:") and torch.equal(out[0][1], torch.ones(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_two_nccl_ranks_on_two_gpus(harness):
+    out = harness.run(_shared_gpu_all_reduce, world_size=2, device="cuda")
+    assert out[0][0] != out[1][0]
+    assert all(torch.equal(t, torch.full((2,), 3.0)) for _, t in out)
+
+
+@dataclasses.dataclass
+class _Record:
+    where: str
+    tensors: dict
+
+
+def _record_on_the_gpu():
+    return _Record(str(rank_device()), {"t": torch.ones(2, device=rank_device())})
+
+
+@pytest.mark.gpu
+def test_a_result_record_comes_back_on_the_host(harness):
+    """A task's dataclass result (e.g. the matrix's CellRun) keeps its type, its tensors copied to the host:
+    the controller must never build a CUDA context to unpickle a result."""
+    out = harness.run(_record_on_the_gpu, world_size=1, device="cuda")
+    assert isinstance(out[0], _Record) and out[0].where.startswith("cuda")
+    assert out[0].tensors["t"].device.type == "cpu", "a CUDA tensor inside a result record was not moved to the host"
