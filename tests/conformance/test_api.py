@@ -160,6 +160,12 @@ def test_misuse_raises_like_torch(scaler, placement, case):
         assert got[0] == want[0] and want[1] in got[1], f"{case}: got {got}, want {want}"
 
 
+class _RecordingSGD(torch.optim.SGD):
+    def step(self, closure=None, tag=None):
+        super().step()
+        return ("stepped", tag)
+
+
 def _forwarding(spec, placement, bad):
     pb = Problem(placement)
     s = build_scaler(spec, pb)

@@ -78,11 +78,6 @@ def test_update_with_new_scale(scaler, placement, as_tensor):
     assert equal_lists(out["grads"], out["targets"])
 
 
-class _RecordingSGD(torch.optim.SGD):
-    def step(self, closure=None, tag=None):
-        super().step()
-        return ("stepped", tag)
-
 
 # ------------------------------------------------------------------ state_dict
 
