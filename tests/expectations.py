@@ -77,10 +77,10 @@ def expectation(scaler: str | None, test: str, params: dict, *, machine: Machine
         repro_of and repro_of.needs and NEEDS[repro_of.needs](machine))
     if unrunnable:
         return Expectation(skip=unrunnable)
-    theirs = Expectation(xfail=f"{their_entry.reason} (--xfails-file line {their_entry.line})",
+    their_xfail = Expectation(xfail=f"{their_entry.reason} (--xfails-file line {their_entry.line})",
                          xfails_file=their_entry.check) if their_entry else Expectation()
     if scaler is None:
-        return theirs
+        return their_xfail
 
     def bug_of_check(any_version):
         return known_bug(scaler, test, params, machine.cuda, any_version=any_version, bugs=bugs, on=machine.versions)
@@ -101,4 +101,4 @@ def expectation(scaler: str | None, test: str, params: dict, *, machine: Machine
         return Expectation(skip=race, bug_any_version=named)
     if in_force:
         return Expectation(xfail=in_force.reason, bug=in_force.id, bug_any_version=named)
-    return dataclasses.replace(theirs, bug_any_version=named)
+    return dataclasses.replace(their_xfail, bug_any_version=named)
