@@ -33,7 +33,7 @@ def set_rank_device(device) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """Parent -> each rank: run pickle.loads(payload) = (fn, args, kwargs) with the seeds reset to `seed`."""
+    """Parent -> each rank: run pickle.loads(payload) = (fn, args, kwargs) after resetting every RNG to `seed`."""
     id: int
     payload: bytes
     seed: int = 0

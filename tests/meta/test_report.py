@@ -3,8 +3,6 @@ checks it has a column for), and its headline says so whenever anything is unexp
 import json
 from types import SimpleNamespace
 
-import pytest
-
 from tests import report
 from tests.child_run import ROOT
 from tests.records import Cell, Report

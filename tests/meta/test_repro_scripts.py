@@ -42,3 +42,13 @@ def test_an_unknown_name_is_a_usage_error_naming_it_and_no_name_lists_the_files(
 def test_the_repro_case_runs_on_a_plugged_scaler_under_pytest(pytester, monkeypatch, spec, outcome):
     result = runpytest(pytester, monkeypatch, os.path.join(ROOT, REPRO), "-p", "no:xdist", "--scaler", spec)
     result.assert_outcomes(**outcome)
+
+
+def test_every_repro_file_passes_a_correct_plugged_scaler(pytester, monkeypatch):
+    """A correct scaler plugged in by spec is judged by its outcomes alone: no case may look its spec up in a
+    table keyed by the built-in names (one did, and failed a correct plugged scaler with a KeyError)."""
+    result = runpytest(pytester, monkeypatch, os.path.join(ROOT, "tests", "repro"), "-p", "no:xdist",
+                       "--scaler", "scaler_impl:make_scaler")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) > 0 and not outcomes.get("failed") and not outcomes.get("errors"), (
+        "a correct plugged scaler failed a repro case:\n" + "\n".join(result.outlines[-40:]))

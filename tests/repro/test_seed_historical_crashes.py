@@ -29,6 +29,8 @@ from tests.repro.runner import Outcome, case
 from tests.scalers import make_scaler
 
 # both crashes are fixed for every built-in scaler (without CUDA fairscale's disables itself: its own known bug)
+# a plugged scaler (--scaler module:factory) has no history here: its outcome alone says whether it is fixed
+PLUGGED = "a plugged scaler"
 # (a): who unscales CPU grads, and since when
 FIXED_A = {
     "ours": "calls torch._amp_foreach_non_finite_check_and_unscale_ per (device, dtype) group",
@@ -93,7 +95,7 @@ def test_cpu_grads_unscaled_and_checked(scaler):
     out = run_on_ranks(_cpu_grads_steps, scaler, world_size=1)[0]
     ok = out["exact"] and out["clean_stepped"] and out["inf_skipped"] and out["scale"] == 128.0
     return Outcome(not ok, f"clean step: grads exact {out['exact']}, applied {out['clean_stepped']}; inf step: "
-                           f"skipped {out['inf_skipped']}, scale {out['scale']}; {FIXED_A[scaler]}",
+                           f"skipped {out['inf_skipped']}, scale {out['scale']}; {FIXED_A.get(scaler, PLUGGED)}",
                    "clean step unscaled exactly and applied; inf step skipped, scale 256.0 -> 128.0")
 
 
@@ -122,5 +124,5 @@ def test_cuda_scaler_takes_a_cpu_loss(scaler):
           and out["scale"] == 256.0)
     return Outcome(not ok, f"scale(CPU loss) -> {out['scaled_device']} tensor, loss * 256 {out['scaled_exact']}; "
                            f"grads exact {out['exact']}, step applied {out['stepped']}, scale {out['scale']}; "
-                           f"{FIXED_B[scaler]}",
+                           f"{FIXED_B.get(scaler, PLUGGED)}",
                    "scale() returns loss * 256 on CPU; the step unscales exactly and applies; scale stays 256.0")
