@@ -87,6 +87,8 @@ NOT_SHARD_AWARE = {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", 
 UNSCALE_TESTS = {"test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_skips_step_and_backs_off",
                  "test_an_overflow_past_2_31_elements_is_seen"}
 BUSY = "test_busy_gpu_cpu_grads_are_unscaled_and_checked"
+FUSED = "test_an_overflow_skips_a_fused_optimizer_exactly"  # param `fused`: the optimizer class (test_fused_optimizers.py)
+STEP_COUNTER_FUSED = ("Adam", "AdamW", "Adagrad")  # fused optimizers whose state has a shape-[] step counter
 MATRIX = "test_fsdp_matches_ddp"
 CPU_SCALE = ("cpu", "cpu_loss", "mixed_cpu_scale")  # placements where the scale tensor lives on CPU
 CPU_GRADS_CUDA_SCALE = ("offload", "mixed")
@@ -219,12 +221,30 @@ KNOWN_BUGS = [
          "_amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf over the mesh.)",
          when=where(world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale")),
          title="no agreement on found_inf across ranks under FSDP1 and fairscale FSDP"),
-    _bug("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"}, {MATRIX},
-         "torch ShardedGradScaler + a fused optimizer (AdamW fused=True) after an explicit unscale_ (the clipping "
-         "path): its found_inf has shape [1] and the fused kernel's _foreach_sub_ into the shape-[] step counter "
-         "raises RuntimeError: output with shape [] doesn't match the broadcast shape [1]",
-         when=where(optimizer="adamw", clip="clip"),
+    _bug("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"}, {MATRIX, FUSED},
+         "torch ShardedGradScaler + a fused optimizer with a step counter (Adam, AdamW, Adagrad fused=True) after "
+         "an explicit unscale_ (the clipping path): its found_inf has shape [1] and the fused kernel's "
+         "_foreach_sub_ into the shape-[] step counter raises RuntimeError: output with shape [] doesn't match the "
+         "broadcast shape [1]",
+         when=lambda params, cuda: (where(optimizer="adamw", clip="clip")(params, cuda)
+                                    or where(fused=STEP_COUNTER_FUSED, explicit_unscale=True)(params, cuda)),
          title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step"),
+    # before fused-sgd-skipped-first-step: the check sees the sum first
+    _bug("torch-sharded-hands-fused-a-sum", {"torch_sharded"}, {FUSED},
+         "torch ShardedGradScaler.unscale_ all-reduces found_inf with SUM over the ranks and step() hands that "
+         "sum to a fused optimizer; the fused kernels skip only on found_inf == 1.0, so when two ranks overflow "
+         "the optimizer gets 2.0 and applies the inf/NaN update (fused SGD after an explicit unscale_; Adam, "
+         "AdamW and Adagrad crash before, on the sum's shape: torch-sharded-fused-adamw-after-unscale)",
+         when=where(fused="SGD", explicit_unscale=True),
+         title="explicit unscale_: found_inf summed over ranks (2.0) makes a fused optimizer step on NaN"),
+    _bug("fused-sgd-skipped-first-step", {"torch_amp", "torch_sharded"}, {FUSED},
+         "fused SGD with momentum allocates its momentum buffers with torch.empty_like on its first step and fills "
+         "them inside the kernel; when GradScaler hands it found_inf = 1.0 (the first step overflowed, as fp16 "
+         "training's first steps routinely do) the kernel returns early and the buffers keep uninitialised memory, "
+         "which the next step applies to the params (NaN under deterministic mode, garbage otherwise). "
+         "torch.amp.GradScaler and torch's ShardedGradScaler leave the skip to the kernel",
+         when=where(fused="SGD"),
+         title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it"),
     # before the no-agreement entry: on torch < 2.6 this one is what the cell hits first (it raises)
     _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX},
          "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
@@ -240,10 +260,12 @@ KNOWN_BUGS = [
          "ShardedGradScaler.unscale_, so under FSDP1 an inf in one rank's shard makes only that rank skip",
          when=where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale")),
          title="fused AdamW: found_inf never agreed across ranks"),
-    _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX},
+    _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX, FUSED},
          "fairscale ShardedGradScaler.step passes grad_scaler=self to an optimizer that supports AMP scaling "
-         "(fused AdamW), whose step() no longer takes it: TypeError: Adam.step() got an unexpected keyword "
-         "argument 'grad_scaler'", when=where(optimizer="adamw"), fairscale=FAIRSCALE_0_4_13,
+         "(every fused one: Adam, AdamW, SGD, Adagrad), whose step() no longer takes it: TypeError: Adam.step() "
+         "got an unexpected keyword argument 'grad_scaler'",
+         when=lambda params, cuda: "fused" in params or where(optimizer="adamw")(params, cuda),
+         fairscale=FAIRSCALE_0_4_13,
          title="fused AdamW: TypeError on the grad_scaler keyword"),
     _bug("fairscale-state-dict-after-backoff-fsdp", {"fairscale_sharded"}, {MATRIX},
          "fairscale's state_dict() after a backoff (fairscale-state-dict-after-backoff) inside FSDP training: "

@@ -5,6 +5,7 @@ scales, every scaled and unscaled grad is exact in fp32, fp16 and bf16, and any 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -50,6 +51,18 @@ def run_at(placement: str, body, *args, world_size: int = 1, timeout: float = 60
 
     return run_on_ranks(body, *args, world_size=world_size, device=device_mode(placement, world_size),
                         timeout=timeout)
+
+
+@contextlib.contextmanager
+def deterministic_fill():
+    """Uninitialised memory (torch.empty*) holds NaN for the duration, as in deterministic mode: a read of
+    it shows on every run instead of only when the allocator's garbage happens to be non-zero."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _device(kind: str) -> torch.device:

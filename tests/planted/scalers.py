@@ -13,7 +13,7 @@ from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, _f32
 from tests.planted.registry import mutant
-from tests.known_bugs import SEQUENCES
+from tests.known_bugs import FUSED, SEQUENCES
 
 _check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
 
@@ -537,6 +537,47 @@ class ClampsScaleAtOne(DeviceSplitGradScaler):
             self._set_scale(1.0)
 
 
+
+class _LeavesSkipToFusedKernel(DeviceSplitGradScaler):
+    """A fused optimizer (_step_supports_amp_scaling) is handed the agreed found_inf and always called: the
+    kernel is left to skip, as torch's scalers do. `handed` says what value it gets."""
+
+    def handed(self, agreed: float) -> float:
+        raise NotImplementedError
+
+    def step(self, optimizer, *args, **kwargs):
+        if not self._enabled or not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return super().step(optimizer, *args, **kwargs)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        optimizer.grad_scale, optimizer.found_inf = None, torch.tensor(self.handed(state["found_inf"]))
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+            state["stage"] = OptState.STEPPED
+
+
+@mutant("hands_fused_the_sum", caught_by=[FUSED])
+class HandsFusedTheSum(_LeavesSkipToFusedKernel):
+    """Hands a fused optimizer the found_inf summed over ranks and devices (KNOWN_BUGS
+    torch-sharded-hands-fused-a-sum): two overflowing ranks give 2.0, which the kernel steps on."""
+
+    def handed(self, agreed):
+        return agreed
+
+
+@mutant("leaves_skip_to_fused_kernel", caught_by=[FUSED])
+class LeavesSkipToFusedKernel(_LeavesSkipToFusedKernel):
+    """Hands a fused optimizer exactly 0.0 or 1.0 but calls its step() on an overflow too: fused SGD's skipped
+    first step leaves its momentum buffer uninitialised (KNOWN_BUGS fused-sgd-skipped-first-step)."""
+
+    def handed(self, agreed):
+        return float(agreed > 0)
+
 # The factories, by the names the specs use (`--scaler tests.planted.scalers:<name>`): each is its class's
 # @mutant name (tests/meta/test_planted.py checks that every name resolves to the factory registered under it).
 no_agreement = NoAgreement.factory
@@ -583,3 +624,5 @@ load_keeps_own_settings = LoadKeepsOwnSettings.factory
 update_counts_stepped_optimizers_only = UpdateCountsSteppedOptimizersOnly.factory
 tracker_counts_optimizer_steps = TrackerCountsOptimizerSteps.factory
 clamps_scale_at_one = ClampsScaleAtOne.factory
+hands_fused_the_sum = HandsFusedTheSum.factory
+leaves_skip_to_fused_kernel = LeavesSkipToFusedKernel.factory
