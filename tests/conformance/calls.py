@@ -6,6 +6,11 @@
 
 A call is plain data (a frozen dataclass): it travels to the ranks pickled, and into the replay command as
 JSON (`as_data` / `from_data`). What a step did to the params is a `Moved`, compared as a value.
+
+The problem is drawn too (the config): each param's dtype, so one optimizer holds grads of several dtypes
+and an fp16 grad overflows in backward itself at a high enough scale; which params a backward reaches, so
+grads appear late and vanish; growth and backoff factors and new scales that are not powers of two, so
+unscaling rounds; and checkpoints kept in memory and loaded later into a fresh or a used scaler.
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.conformance.problem import INF_VALUES, Problem, ScalerModel, build_scaler
+from tests.conformance.problem import (INF_VALUES, Problem, ScalerModel, build_scaler, grad_overflows, scaled_grad,
+                                       unscaled)
 
 N_PARAMS = 4  # one optimizer: all four; two: params 0-1 and 2-3
 LR = 0.5  # SGD without momentum: a step moves p by exactly -LR * grad (all values are dyadic and small)
@@ -32,26 +38,52 @@ def owner(param: int, n_optimizers: int) -> int:
     return 0 if n_optimizers == 1 else param * 2 // N_PARAMS
 
 
+def dtypes_of(config: dict) -> list:
+    """Each param's dtype (a replay from before dtypes were drawn: all float32)."""
+    return list(config.get("dtypes") or ["float32"] * N_PARAMS)
+
+
 class Rank:
-    """One rank's side of a sequence: its problem, scaler and optimizers, and the backwards of this iteration."""
+    """One rank's side of a sequence: its problem, scaler and optimizers, the backward passes each param's grad
+    accumulates this iteration, and the checkpoints kept so far."""
 
     def __init__(self, spec: str, placement: str, config: dict, rank: int):
         self.spec, self.rank = spec, rank
-        self.pb = Problem(placement, n_params=N_PARAMS, seed_offset=rank)  # each rank its own shard
+        # each rank its own shard; every target's largest element first, so fp16 overflows alike on every rank
+        self.pb = Problem(placement, dtype=dtypes_of(config), n_params=N_PARAMS, seed_offset=rank, peak=True)
         n_opt = config["n_optimizers"]
-        self.groups = [[p for i, p in enumerate(self.pb.params) if owner(i, n_opt) == o] for o in range(n_opt)]
-        self.opts = [torch.optim.SGD(g, lr=LR) for g in self.groups]
+        self.members = [[i for i in range(N_PARAMS) if owner(i, n_opt) == o] for o in range(n_opt)]
+        self.opts = [torch.optim.SGD([self.pb.params[i] for i in m], lr=LR) for m in self.members]
         settings = {k: config[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
         self.scaler = build_scaler(spec, self.pb, **settings)
         self.backwards = 0
+        self.accumulated = [0] * N_PARAMS
+        self.kept = {}
 
-    def targets_of(self, opt: int) -> list:
-        """The exact grads (of one backward) of this optimizer's params, on CPU."""
-        return [c.cpu() for p, c in zip(self.pb.params, self.pb.targets) if any(p is q for q in self.groups[opt])]
+    def expected_grad(self, i: int) -> torch.Tensor:
+        """Param i's grad once unscaled exactly (on CPU), from the scale of this iteration."""
+        c = self.pb.targets[i].cpu()
+        return unscaled(scaled_grad(c, float(self.scaler.get_scale()), self.accumulated[i]), float(self.scaler.get_scale()))
 
     def seen(self) -> dict:
-        """After every call: only update() (or a resume) may change them."""
+        """After every call: only update() (or a load) may change them."""
         return dict(scale=float(self.scaler.get_scale()), tracker=int(self.scaler.state_dict()["_growth_tracker"]))
+
+
+class ProblemModel(ScalerModel):
+    """The contract model plus what it must know of the drawn problem: each param's dtype and optimizer, and the
+    backward passes its grad accumulates this iteration (an fp16 grad overflows in backward at a high scale)."""
+
+    def __init__(self, config: dict):
+        super().__init__(config["init_scale"], config["growth_factor"], config["backoff_factor"],
+                         config["growth_interval"], config["n_optimizers"])
+        self.dtypes = dtypes_of(config)
+        self.accumulated = [0] * N_PARAMS
+        self.kept = {}
+
+    def update(self, found_inf=None, new_scale=None) -> None:
+        super().update(found_inf, new_scale)
+        self.accumulated = [0] * N_PARAMS
 
 
 @dataclass(frozen=True)
@@ -64,19 +96,23 @@ class Overflow:
 
 @dataclass(frozen=True)
 class Backward:
-    """A scaled backward that accumulates into .grad; with `bad`, then one element of a grad overwritten."""
+    """A scaled backward of the loss over `reaches` (None: every param) that accumulates into .grad; the other
+    params get no grad from it (None if they had none). With `bad`, then one element of a grad overwritten."""
     bad: Overflow | None = None
+    reaches: tuple | None = None
     op = "backward"
 
     def describe(self) -> str:
-        b = self.bad
-        return "backward()" if not b else (f"backward() with {b.value} in the {b.element} element of grad {b.param} "
-                                           f"on rank {b.rank}")
+        b, reach = self.bad, "" if self.reaches is None else f" reaching params {list(self.reaches)}"
+        return f"backward(){reach}" if not b else (f"backward(){reach} with {b.value} in the {b.element} element "
+                                                   f"of grad {b.param} on rank {b.rank}")
 
     def on_rank(self, r: Rank) -> dict:
         if r.backwards == 0:
             r.pb.zero_grad()
-        r.scaler.scale(r.pb.loss()).backward()
+        r.scaler.scale(r.pb.loss(self.reaches)).backward()
+        for i in range(N_PARAMS) if self.reaches is None else self.reaches:
+            r.accumulated[i] += 1
         if self.bad and self.bad.rank == r.rank:
             grad = r.pb.params[self.bad.param].grad.view(-1)
             with torch.no_grad():
@@ -86,8 +122,17 @@ class Backward:
         r.backwards += 1
         return {}
 
-    def on_model(self, model: ScalerModel) -> dict:
-        model.backward(None if not self.bad else owner(self.bad.param, len(model.stage)))
+    def on_model(self, model: ProblemModel) -> dict:
+        n_opt = len(model.stage)
+        for i in range(N_PARAMS) if self.reaches is None else self.reaches:
+            model.accumulated[i] += 1
+        bad = {owner(i, n_opt) for i in range(N_PARAMS)
+               if model.accumulated[i] and grad_overflows(model.dtypes[i], model.scale, model.accumulated[i])}
+        if self.bad:
+            bad.add(owner(self.bad.param, n_opt))
+        model.backward(None)
+        for opt in bad:  # an injected overflow, or a low-precision grad that overflowed in backward itself
+            model.nonfinite[opt] = True
         return {}
 
 
@@ -101,8 +146,10 @@ class Unscale:
 
     def on_rank(self, r: Rank) -> dict:
         r.scaler.unscale_(r.opts[self.opt])
-        grads = [p.grad.cpu() for p in r.groups[self.opt]]
-        return dict(exact=all(torch.equal(g, r.backwards * c) for g, c in zip(grads, r.targets_of(self.opt))))
+        params = [r.pb.params[i] for i in r.members[self.opt]]
+        exact = all(p.grad is None if not r.accumulated[i] else torch.equal(p.grad.cpu(), r.expected_grad(i))
+                    for i, p in zip(r.members[self.opt], params))
+        return dict(exact=exact)
 
     def on_model(self, model: ScalerModel) -> dict:
         return {} if model.unscale_(self.opt) else dict(exact=True)  # clean: every grad exactly unscaled
@@ -117,13 +164,14 @@ class Step:
         return f"step(optimizer {self.opt})"
 
     def on_rank(self, r: Rank) -> dict:
-        params = r.groups[self.opt]
-        before = [p.detach().cpu().clone() for p in params]
+        members = r.members[self.opt]
+        before = [r.pb.params[i].detach().cpu().clone() for i in members]
+        want = [b if not r.accumulated[i] else b.add(r.expected_grad(i), alpha=-LR) for i, b in zip(members, before)]
         r.scaler.step(r.opts[self.opt])
-        after = [p.detach().cpu() for p in params]
+        after = [r.pb.params[i].detach().cpu() for i in members]
         if all(torch.equal(a, b) for a, b in zip(after, before)):
             return dict(moved=Moved.NOT_AT_ALL)
-        exact = all(torch.equal(a, b - LR * r.backwards * c) for a, b, c in zip(after, before, r.targets_of(self.opt)))
+        exact = all(torch.equal(a, w) for a, w in zip(after, want))  # SGD's add_(grad, alpha=-lr), as torch does it
         return dict(moved=Moved.EXACTLY if exact else Moved.WRONGLY)
 
     def on_model(self, model: ScalerModel) -> dict:
@@ -140,7 +188,7 @@ class Update:
 
     def on_rank(self, r: Rank) -> dict:
         r.scaler.update(self.new_scale)
-        r.backwards = 0
+        r.backwards, r.accumulated = 0, [0] * N_PARAMS
         return {}
 
     def on_model(self, model: ScalerModel) -> dict:
@@ -166,7 +214,48 @@ class Resume:
         return {}
 
 
-CALLS = {cls.__name__: cls for cls in (Backward, Unscale, Step, Update, Resume)}
+@dataclass(frozen=True)
+class Keep:
+    """A checkpoint kept in memory as state_dict() returned it (async checkpointing, rollback, EMA of states)."""
+    slot: int
+    op = "resume"
+
+    def describe(self) -> str:
+        return f"keep state_dict() as checkpoint {self.slot}"
+
+    def on_rank(self, r: Rank) -> dict:
+        r.kept[self.slot] = r.scaler.state_dict()
+        return {}
+
+    def on_model(self, model: ProblemModel) -> dict:
+        model.kept[self.slot] = (model.scale, model.tracker)
+        return {}
+
+
+@dataclass(frozen=True)
+class Load:
+    """load_state_dict(a checkpoint kept earlier), into the scaler that has run since (`fresh` False) or into a
+    new one built with the defaults: scale and tracker become the checkpoint's."""
+    slot: int
+    fresh: bool
+    op = "load"
+
+    def describe(self) -> str:
+        into = "a scaler built with the defaults" if self.fresh else "the running scaler"
+        return f"load checkpoint {self.slot} into {into}"
+
+    def on_rank(self, r: Rank) -> dict:
+        if self.fresh:
+            r.scaler = build_scaler(r.spec, r.pb)
+        r.scaler.load_state_dict(r.kept[self.slot])
+        return {}
+
+    def on_model(self, model: ProblemModel) -> dict:
+        model.scale, model.tracker = model.kept[self.slot]
+        return {}
+
+
+CALLS = {cls.__name__: cls for cls in (Backward, Unscale, Step, Update, Resume, Keep, Load)}
 
 
 def as_data(call) -> dict:
@@ -182,12 +271,16 @@ def from_data(data: dict):
         raise ValueError(f"{data!r}: 'call' must be one of {sorted(CALLS)}")
     if cls is Backward and fields.get("bad") is not None:
         fields["bad"] = Overflow(**fields["bad"])
+    if cls is Backward and fields.get("reaches") is not None:
+        fields["reaches"] = tuple(fields["reaches"])
     return cls(**fields)
 
 
 def advance(model: ScalerModel, call) -> dict:
     """One call on the model; -> what every rank must see after it. ValueError for a call the API forbids here."""
-    if not model.allows(call.op, getattr(call, "opt", 0)):
+    legal = (model.allows("resume") and call.slot in model.kept) if call.op == "load" else (
+        model.allows(call.op, getattr(call, "opt", 0)))
+    if not legal:
         raise ValueError(f"{call.describe()} is not a legal call here (the API forbids it, or it means nothing)")
     want = call.on_model(model)
     return dict(want, scale=model.scale, tracker=model.tracker)

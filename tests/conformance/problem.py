@@ -69,28 +69,36 @@ def _device(kind: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
 
+PEAK = 0.5  # the largest |c_i| element; Problem(peak=True) puts it first in every target, on every rank
+
+
 class Problem:
     """n_params parameters (round-robin over the placement's devices) with exact targets c_i."""
 
-    def __init__(self, placement: str, dtype: str = "float32", n_params: int = 3, seed_offset: int = 0,
-                 numel: int | list[int] = 6):  # a list: each param's own size
+    def __init__(self, placement: str, dtype: str | list[str] = "float32", n_params: int = 3, seed_offset: int = 0,
+                 numel: int | list[int] = 6, peak: bool = False):  # a list: each param's own dtype / size
         spec = PLACEMENTS[placement]
-        self.placement, self.dtype = placement, DTYPES[dtype]
+        dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * n_params
+        self.placement, self.dtype = placement, DTYPES[dtypes[0]]
         self.loss_device = _device(spec["loss"])
         self.scaler_device = spec["scaler"]
         g = torch.Generator().manual_seed(1234 + seed_offset)
         self.params, self.targets = [], []
         for i in range(n_params):
-            dev = _device(spec["params"][i % len(spec["params"])])
+            dev, dt = _device(spec["params"][i % len(spec["params"])]), DTYPES[dtypes[i]]
             n = numel[i] if isinstance(numel, list) else numel
-            p = (torch.randint(-8, 8, (n,), generator=g).to(self.dtype) / 8).to(dev)
-            c = (torch.randint(-4, 4, (n,), generator=g).to(self.dtype) / 8).to(dev)
+            p = (torch.randint(-8, 8, (n,), generator=g).to(dt) / 8).to(dev)
+            c = (torch.randint(-4, 4, (n,), generator=g).to(dt) / 8).to(dev)
+            if peak:  # whether a low-precision grad overflows is then the same on every rank (grad_overflows)
+                c[0] = -PEAK
             self.params.append(p.requires_grad_())
             self.targets.append(c)
 
-    def loss(self) -> torch.Tensor:
+    def loss(self, only=None) -> torch.Tensor:
+        """sum_i <p_i, c_i> over the params in `only` (all when None): the others get no grad from it."""
         dev = self.loss_device
-        return sum((p.to(dev).float() * c.to(dev).float()).sum() for p, c in zip(self.params, self.targets))
+        return sum((p.to(dev).float() * c.to(dev).float()).sum()
+                   for i, (p, c) in enumerate(zip(self.params, self.targets)) if only is None or i in only)
 
     def backward(self, scaler, inject: dict | None = None) -> None:
         """scaler.scale(loss).backward(); then write inject {param index: value} into grad element 0."""
@@ -153,6 +161,27 @@ INF_VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 def f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float64).float().item()
+
+
+# What backward and unscale_ compute, as torch's arithmetic does it (the oracle's rounding, not the code under
+# test): the scaled loss's grad of p_i is c_i * scale in float32, cast to p_i's dtype; a second backward adds
+# in that dtype; unscale_ multiplies by float32(1 / scale) in float32 and casts back.
+def scaled_grad(c: torch.Tensor, scale: float, backwards: int) -> torch.Tensor:
+    one = (c.float() * torch.tensor(f32(scale))).to(c.dtype)
+    grad = one
+    for _ in range(backwards - 1):
+        grad = (grad.float() + one.float()).to(c.dtype)
+    return grad
+
+
+def unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    return (grad.float() * torch.tensor(f32(1.0 / f32(scale)))).to(grad.dtype)
+
+
+def grad_overflows(dtype: str, scale: float, backwards: int) -> bool:
+    """Does a Problem(peak=True) grad of this dtype overflow after this many backward passes at this scale?
+    (Its largest element, -PEAK, overflows first.)"""
+    return not bool(torch.isfinite(scaled_grad(torch.tensor([-PEAK], dtype=DTYPES[dtype]), scale, backwards)).all())
 
 
 class ScalerModel:

@@ -1,15 +1,21 @@
 """Sequences: any legal sequence of GradScaler calls, on two ranks, does what the contract model says.
 
-Hypothesis draws the scaler's settings (init scale down to 1/8 and up to float32's limit, growth,
-backoff, interval), one or two optimizers, then a sequence of rules: a backward (clean, or inf / -inf
-/ NaN in the first or last element of one grad on one rank; a second backward accumulates), an
-explicit unscale_ of either optimizer, a step of either, an update (or update(new_scale)), and a
-checkpoint round trip into a scaler built with the defaults. The oracle is problem.ScalerModel.
+Hypothesis draws the problem: the scaler's settings (init scale down to 1/8 and up to float32's limit;
+growth and backoff factors, and new scales, that need not be powers of two; interval), one or two
+optimizers, each param's dtype (fp32, fp16, bf16 in one optimizer; an fp16 grad overflows in backward at
+a high scale). Then a sequence of rules: a backward (reaching every param or only some, so grads appear
+late and vanish; clean, or inf / -inf / NaN in the first or last element of one grad on one rank; a
+second backward accumulates), an explicit unscale_ of either optimizer, a step of either, an update (or
+update(new_scale)), a checkpoint round trip into a scaler built with the defaults, a checkpoint kept in
+memory and loaded later into the running scaler or a fresh one. The oracle is problem.ScalerModel, with
+what it must know of the problem (calls.ProblemModel).
 The whole sequence is one task on the rank pool; each rank reports, after every call, what a user
 can see, and the controller checks it against the model, call by call:
   - after every call: scale and growth tracker (state_dict) equal the model's, on every rank;
   - after step: the params moved exactly by -lr * (sum of the unscaled grads) iff the model says the
-    step applies, else not at all; after a clean unscale_: the grads are exactly unscaled.
+    step applies, else not at all; after a clean unscale_: the grads are exactly unscaled (exactly as
+    torch's float32 arithmetic rounds them: problem.scaled_grad and unscaled); a param no backward
+    reached this iteration has no grad and does not move.
 A failure names the first call that went wrong and prints the shrunk sequence as a list of calls,
 and the command that replays exactly it:
     python -m tests.conformance.test_sequences --scaler SPEC --placement P --sequence '<json>'
@@ -30,9 +36,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from tests.conformance.calls import (N_PARAMS, Backward, Overflow, Rank, Resume, Step, Unscale, Update, advance,
-                                     as_data, from_data)
-from tests.conformance.problem import INF_VALUES, ScalerModel, placement_params, run_at
+from tests.conformance.calls import (N_PARAMS, Backward, Keep, Load, Overflow, ProblemModel, Rank, Resume, Step, Unscale,
+                                     Update, advance, as_data, from_data, owner)
+from tests.conformance.problem import INF_VALUES, PLACEMENTS as DEVICES, placement_params, run_at
 
 pytestmark = pytest.mark.conformance
 REPORT_COLUMN = "sequences"  # the compatibility report's column for these checks (tests/report.py)
@@ -41,7 +47,16 @@ WORLD_SIZE = 2
 PLACEMENTS = ["cpu", "cuda", "offload", "mixed"]
 # float32 powers of two: below 1 (backoffs go under it), ordinary, and at the top (a growth would be inf)
 INIT_SCALES = (1.0, 2.0**-3, 2.0**8, 2.0**16, 2.0**126, 2.0**127)
-NEW_SCALES = (2.0**-2, 2.0**3, 2.0**20)
+# factors and new scales that are not powers of two make the scale, hence unscaling, round; the factors have
+# few significant bits so that float32 and double arithmetic round their products alike (torch uses either)
+GROWTH_FACTORS = (2.0, 4.0, 1.5, 3.0)
+BACKOFF_FACTORS = (0.5, 0.25, 0.75, 0.375)
+NEW_SCALES = (2.0**-2, 2.0**3, 2.0**20, 3.0, 0.3, 1000.0)
+DTYPES = ("float32", "float16", "bfloat16")
+# bf16 grads on CUDA crash torch's unscale kernel (KNOWN_BUGS bf16-cuda-unscale-kernel, checked by fixed checks):
+# drawn only where no param is on CUDA, so that the sequences keep judging the torch scalers there
+CUDA_DTYPES = ("float32", "float16")
+KEPT_SLOTS = 2  # checkpoints kept in memory at once
 # An overflow is injected only while the scale is >= 2**-100: every scaled grad c * scale (|c| >= 1/8)
 # then stays a normal float32, so "exactly unscaled" is exact arithmetic and not a subnormal's rounding.
 MIN_SCALE_FOR_OVERFLOW = 2.0**-100
@@ -95,9 +110,8 @@ def check_sequence(spec: str, placement: str, config: dict, sequence: list, expe
                              f"replay exactly this sequence:\n  {replay_command(spec, placement, config, calls)}")
 
 
-def model_of(config: dict) -> ScalerModel:
-    return ScalerModel(config["init_scale"], config["growth_factor"], config["backoff_factor"],
-                       config["growth_interval"], config["n_optimizers"])
+def model_of(config: dict) -> ProblemModel:
+    return ProblemModel(config)
 
 
 def expected_facts(config: dict, sequence: list) -> list[dict]:
@@ -114,12 +128,17 @@ class ScalerContract(RuleBasedStateMachine):
         self.spec, self.placement = spec, placement
         self.config, self.model, self.sequence, self.expected = None, None, [], []
 
-    @initialize(init_scale=st.sampled_from(INIT_SCALES), growth_factor=st.sampled_from((2.0, 4.0)),
-                backoff_factor=st.sampled_from((0.5, 0.25)), growth_interval=st.integers(1, 4),
-                n_optimizers=st.sampled_from((1, 2)))
-    def scaler_settings(self, init_scale, growth_factor, backoff_factor, growth_interval, n_optimizers):
+    @initialize(init_scale=st.sampled_from(INIT_SCALES), growth_factor=st.sampled_from(GROWTH_FACTORS),
+                backoff_factor=st.sampled_from(BACKOFF_FACTORS), growth_interval=st.integers(1, 4),
+                n_optimizers=st.sampled_from((1, 2)), data=st.data())
+    def the_problem(self, init_scale, growth_factor, backoff_factor, growth_interval, n_optimizers, data):
+        on_cuda = any(d == "cuda" for d in DEVICES[self.placement]["params"])
+        # half the problems all float32: an fp16 grad overflows at every high scale, which would keep most
+        # sequences away from the top of the scale's range
+        dtypes = data.draw(st.one_of(st.just(["float32"] * N_PARAMS), st.lists(
+            st.sampled_from(CUDA_DTYPES if on_cuda else DTYPES), min_size=N_PARAMS, max_size=N_PARAMS)), label="dtypes")
         self.config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                           growth_interval=growth_interval, n_optimizers=n_optimizers)
+                           growth_interval=growth_interval, n_optimizers=n_optimizers, dtypes=dtypes)
         self.model = model_of(self.config)
 
     def _call(self, call) -> None:
@@ -129,36 +148,43 @@ class ScalerContract(RuleBasedStateMachine):
     def _may_backward(self) -> bool:
         return self.model.allows("backward") and self.model.backwards < MAX_BACKWARDS
 
+    def _reaches(self, left_out: set, also: int | None = None) -> tuple | None:
+        """The params a backward reaches: all but `left_out`, keeping one of each optimizer (an optimizer without
+        a single grad is an API error for torch's scalers, not a contract question) and `also`."""
+        n_opt = self.config["n_optimizers"]
+        reached = [i for i in range(N_PARAMS) if i not in left_out or i == also]
+        for o in range(n_opt):
+            if not any(owner(i, n_opt) == o for i in reached):
+                reached.append(next(i for i in range(N_PARAMS) if owner(i, n_opt) == o))
+        return None if len(reached) == N_PARAMS else tuple(sorted(reached))
+
     @precondition(lambda self: self._may_backward())
-    @rule()
-    def backward(self):
-        self._call(Backward())
+    @rule(left_out=st.sets(st.integers(0, N_PARAMS - 1), max_size=N_PARAMS - 1))
+    def backward(self, left_out):
+        self._call(Backward(reaches=self._reaches(left_out)))
 
     @precondition(lambda self: self._may_backward() and self.model.scale >= MIN_SCALE_FOR_OVERFLOW)
     @rule(rank=st.integers(0, WORLD_SIZE - 1), param=st.integers(0, N_PARAMS - 1),
-          element=st.sampled_from(("last", "first")), value=st.sampled_from(tuple(INF_VALUES)))
-    def backward_with_overflow(self, rank, param, element, value):
-        self._call(Backward(Overflow(rank, param, element, value)))
+          element=st.sampled_from(("last", "first")), value=st.sampled_from(tuple(INF_VALUES)),
+          left_out=st.sets(st.integers(0, N_PARAMS - 1), max_size=N_PARAMS - 1))
+    def backward_with_overflow(self, rank, param, element, value, left_out):
+        self._call(Backward(Overflow(rank, param, element, value), reaches=self._reaches(left_out, also=param)))
 
-    @precondition(lambda self: self.model.allows("unscale_", 0))
-    @rule()
-    def unscale_first_optimizer(self):
-        self._call(Unscale(0))
+    # one rule per kind of call, its arguments drawn (Hypothesis' swarm testing switches whole rules off per
+    # example: with a rule per optimizer or per checkpoint kind, too many sequences never reach an update)
+    def _first_allowed(self, op: str, opt: int) -> int:
+        n_opt = self.config["n_optimizers"]
+        return next(o for o in (opt % n_opt, (opt + 1) % n_opt) if self.model.allows(op, o))
 
-    @precondition(lambda self: self.model.allows("unscale_", 1))
-    @rule()
-    def unscale_second_optimizer(self):
-        self._call(Unscale(1))
+    @precondition(lambda self: any(self.model.allows("unscale_", o) for o in (0, 1)))
+    @rule(opt=st.integers(0, 1))
+    def unscale(self, opt):
+        self._call(Unscale(self._first_allowed("unscale_", opt)))
 
-    @precondition(lambda self: self.model.allows("step", 0))
-    @rule()
-    def step_first_optimizer(self):
-        self._call(Step(0))
-
-    @precondition(lambda self: self.model.allows("step", 1))
-    @rule()
-    def step_second_optimizer(self):
-        self._call(Step(1))
+    @precondition(lambda self: any(self.model.allows("step", o) for o in (0, 1)))
+    @rule(opt=st.integers(0, 1))
+    def step(self, opt):
+        self._call(Step(self._first_allowed("step", opt)))
 
     @precondition(lambda self: self.model.allows("update"))
     @rule(new_scale=st.none() | st.sampled_from(NEW_SCALES))
@@ -166,9 +192,16 @@ class ScalerContract(RuleBasedStateMachine):
         self._call(Update(new_scale))
 
     @precondition(lambda self: self.model.allows("resume"))
-    @rule()
-    def checkpoint_round_trip(self):
-        self._call(Resume())
+    @rule(kind=st.sampled_from(("round_trip", "keep", "load")), slot=st.integers(0, KEPT_SLOTS - 1),
+          fresh=st.booleans())
+    def checkpoint(self, kind, slot, fresh):
+        """A round trip into a scaler built with the defaults; a checkpoint kept in memory; one loaded later."""
+        if kind == "round_trip":
+            self._call(Resume())
+        elif kind == "keep" or not self.model.kept:
+            self._call(Keep(slot))
+        else:
+            self._call(Load(slot if slot in self.model.kept else min(self.model.kept), fresh))
 
     def teardown(self):
         if self.sequence:

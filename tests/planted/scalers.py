@@ -578,6 +578,66 @@ class LeavesSkipToFusedKernel(_LeavesSkipToFusedKernel):
     def handed(self, agreed):
         return float(agreed > 0)
 
+
+# ---- along the drawn problem (tests/conformance/calls.py): caught by the sequences' new draws
+
+@mutant("found_inf_per_dtype_overwritten", caught_by=[SEQUENCES])
+class FoundInfPerDtypeOverwritten(DeviceSplitGradScaler):
+    """Each (device, dtype) group starts its device's found_inf afresh, so the last group's check is the one
+    kept: with fp32 and fp16 grads in one optimizer, an inf in the first group is forgotten."""
+
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        found_inf.zero_()
+        _check_and_unscale(grads, found_inf, inv_scale)
+
+
+@mutant("grads_listed_at_first_unscale", caught_by=[SEQUENCES])
+class GradsListedAtFirstUnscale(DeviceSplitGradScaler):
+    """Lists an optimizer's params with grads once, at its first unscale_, and reuses the list (to save the walk
+    over param_groups): a param whose grad appears later (an unfrozen layer, an expert first routed to) is
+    never unscaled or checked."""
+
+    def _unscale_grads_(self, optimizer):
+        listed = self.__dict__.setdefault("_listed", {})
+        if id(optimizer) not in listed:
+            listed[id(optimizer)] = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        keep = {id(p) for p in listed[id(optimizer)]}
+        hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if id(p) not in keep]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            return super()._unscale_grads_(optimizer)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+
+
+@mutant("scale_not_rounded_to_float32", caught_by=[SEQUENCES])
+class ScaleNotRoundedToFloat32(DeviceSplitGradScaler):
+    """Keeps the host scale as a Python float without rounding it to float32: with factors or a new_scale that
+    are not powers of two, get_scale() and state_dict() drift from the float32 scale torch keeps."""
+
+    def _set_scale(self, value):
+        self._scale = float(value)
+        self._scale_tensors = {}
+
+
+@mutant("state_dict_is_live", caught_by=[SEQUENCES])
+class StateDictIsLive(DeviceSplitGradScaler):
+    """state_dict() returns one dict that the scaler keeps current (a cache, to avoid rebuilding it): a
+    checkpoint kept in memory follows training instead of holding the state it was taken at."""
+
+    def state_dict(self):
+        live = self.__dict__.setdefault("_live", {})
+        live.update(super().state_dict())
+        return live
+
+    def update(self, new_scale=None):
+        super().update(new_scale)
+        if "_live" in self.__dict__:
+            self._live.update(super().state_dict())
+
 # The factories, by the names the specs use (`--scaler tests.planted.scalers:<name>`): each is its class's
 # @mutant name (tests/meta/test_planted.py checks that every name resolves to the factory registered under it).
 no_agreement = NoAgreement.factory
@@ -626,3 +686,7 @@ tracker_counts_optimizer_steps = TrackerCountsOptimizerSteps.factory
 clamps_scale_at_one = ClampsScaleAtOne.factory
 hands_fused_the_sum = HandsFusedTheSum.factory
 leaves_skip_to_fused_kernel = LeavesSkipToFusedKernel.factory
+found_inf_per_dtype_overwritten = FoundInfPerDtypeOverwritten.factory
+grads_listed_at_first_unscale = GradsListedAtFirstUnscale.factory
+scale_not_rounded_to_float32 = ScaleNotRoundedToFloat32.factory
+state_dict_is_live = StateDictIsLive.factory
