@@ -16,6 +16,9 @@ The schedule (STEPS steps) makes the scaler do everything it is for, in every ce
                  other cells: -inf into the first element of the FIRST grad of rank 0's local shard
   RESUME_AFTER   the FSDP side's scaler is rebuilt from its saved state_dict (a checkpoint resume)
                  with its growth tracker at 1, so the growth at step 10 needs the tracker restored
+  INPUT_INF_STEP every cell: rank 0's micro-batch holds an inf, so the overflow happens in forward and
+                 backward and travels through the wrapper's reduction and hooks to the scaler (a wrapper
+                 that zeros NaNs or clamps infs in reduced grads hides it; the injections cannot show that)
 An injected value reaches every rank of the reference (DDP grads are replicated). The optimizer
 has two param groups wherever there are two params (same hyperparameters, so FSDP's flat params
 need not split like DDP's): the injected grads sit in different groups.
@@ -36,10 +39,11 @@ from tests.harness import rank_device
 from tests.matrix.implementations import Settings, record
 from tests.scalers import make_scaler
 
-STEPS = 12
+STEPS = 13
 INJECT_STEP = 4  # one clean step after the growth at step 2: a backoff must reset a non-zero tracker
 OVERFLOW_STEP = 7
 RESUME_AFTER = 8  # one clean step after the backoff at step 7: the tracker is 1
+INPUT_INF_STEP = 12  # after the growth at step 10: a real overflow at a scale of 2**12
 SCALER_ARGS = dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.5, growth_interval=3)
 # step -> (rank, grad, value): an overflow as FSDP leaves it, in one element of one rank's local
 # shard; "first"/"last" rank and grad. Not at OVERFLOW_STEP in fp16 cells: the data overflows there.
@@ -87,12 +91,25 @@ def build_model(kind: str = "small") -> nn.Module:
     return nn.Sequential(Block(7, 13), Block(13, 11, inner=Block(11, 11)), nn.Linear(11, 3))
 
 
-def micro_batch(step: int, rank: int, world_size: int, overflow: bool):
+def micro_batch(step: int, rank: int, world_size: int, overflow: str | None):
+    """This rank's share of the step's batch; overflow "fp16": scaled past fp16's range (1e5 > 65504, so the
+    input itself overflows in an fp16 cell); "inf": its first element is inf."""
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
     n = GLOBAL_BATCH // world_size
     x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-    return (x * 1e5 if overflow else x), y  # 1e5 > fp16 max (65504): the input itself overflows
+    if overflow == "fp16":
+        x = x * 1e5
+    elif overflow == "inf":
+        x[0, 0] = math.inf
+    return x, y
+
+
+def data_overflow(step: int, dtype) -> str | None:
+    """The overflow rank 0's micro-batch carries at this step (micro_batch's `overflow`), if any."""
+    if step == OVERFLOW_STEP and dtype == torch.float16:
+        return "fp16"
+    return "inf" if step == INPUT_INF_STEP else None
 
 
 def make_optimizer(kind: str, params, low_precision_grads: bool):
@@ -256,10 +273,10 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     log = {side: {"loss": [], "stepped": [], "scale": []} for side in ("fsdp", "ref")}
     injected = {}
     for step in range(STEPS):
-        data_overflow = dtype == torch.float16 and step == OVERFLOW_STEP
-        x, y = micro_batch(step, rank, world_size, overflow=data_overflow and rank == 0)
+        overflow = data_overflow(step, dtype)
+        x, y = micro_batch(step, rank, world_size, overflow=overflow if rank == 0 else None)
         x, y = x.to(device, dtype or torch.float32), y.to(device)
-        inject = None if data_overflow else INJECTIONS.get(step)
+        inject = None if overflow else INJECTIONS.get(step)
         owner = None if inject is None else {"first": 0, "last": world_size - 1}[inject[0]]
 
         # --- FSDP side, the scaler under test

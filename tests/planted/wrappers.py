@@ -3,6 +3,7 @@
 Use one with `--fsdp tests.planted.wrappers:<name>`; tests/meta/test_teeth.py checks that each fails matrix
 cells where the built-in wrappers, plugged the same way, pass.
 """
+import torch
 import torch.distributed as dist
 
 from tests.matrix import implementations
@@ -30,4 +31,38 @@ def fsdp1_sums_grads(module, settings):
     """FSDP1 whose gradient reduction forgets the 1/world_size average (a custom comm hook)."""
     model = implementations.fsdp1(module, settings)
     model.register_comm_hook(dist.group.WORLD, _sum_hook)
+    return model
+
+
+def _guarded_hook(guard):
+    """An FSDP1 comm hook that reduces as FSDP does (average over the ranks), then `guard`s the reduced grad in
+    place: the "numerical safety" some wrappers add, which hides an overflow from the scaler."""
+    def hook(state, grad, output=None):
+        world = dist.get_world_size()
+        if output is None:
+            dist.all_reduce(grad)
+            grad.div_(world)
+            guard(grad)
+        else:
+            dist.reduce_scatter_tensor(output, grad)
+            output.div_(world)
+            guard(output)
+    return hook
+
+
+@broken_wrapper("fsdp1_zeros_nan_grads")  # a real overflow's NaN, zeroed after the reduction, never reaches the scaler
+@_fsdp1_with_one_defect
+def fsdp1_zeros_nan_grads(module, settings):
+    """FSDP1 whose comm hook zeros NaNs in the reduced grads (grad[grad.isnan()] = 0)."""
+    model = implementations.fsdp1(module, settings)
+    model.register_comm_hook(dist.group.WORLD, _guarded_hook(lambda g: g.masked_fill_(g.isnan(), 0.0)))
+    return model
+
+
+@broken_wrapper("fsdp1_nan_to_num_grads")  # NaN -> 0 and +-inf -> the dtype's largest finite value
+@_fsdp1_with_one_defect
+def fsdp1_nan_to_num_grads(module, settings):
+    """FSDP1 whose comm hook applies torch.nan_to_num_ to the reduced grads (zeros NaNs, clamps infs)."""
+    model = implementations.fsdp1(module, settings)
+    model.register_comm_hook(dist.group.WORLD, _guarded_hook(torch.nan_to_num_))
     return model
