@@ -18,7 +18,7 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
 import conftest  # noqa: E402,F401  (registers the Hypothesis profiles)
 from tests.conformance import test_sequences  # noqa: E402
-from tests.conformance.calls import Backward  # noqa: E402
+from tests.conformance.calls import GROUPS, Backward  # noqa: E402
 from tests.harness import shutdown_pools  # noqa: E402
 
 
@@ -37,9 +37,12 @@ def main():
             counted["calls"] += len(self.sequence)
             super().teardown()
 
-    # the pool's start-up is not the test's speed: one sequence first, off the clock
-    test_sequences.check_sequence(args.scaler, args.placement, dict(init_scale=2.0, growth_factor=2.0, backoff_factor=0.5,
-                                  growth_interval=1, n_optimizers=1), [Backward()], [{}])
+    # the pools' start-up is not the test's speed: one sequence on each world size first, off the clock
+    for groups in GROUPS:
+        config = dict(init_scale=2.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1, n_optimizers=1,
+                      groups=groups)
+        test_sequences.check_sequence(args.scaler, args.placement, config, [Backward()],
+                                      test_sequences.expected_facts(config, [Backward()]))
     budget = settings(settings.get_profile("ci"), max_examples=args.examples, stateful_step_count=args.steps,
                       deadline=None, suppress_health_check=[HealthCheck.too_slow])
     t0 = time.perf_counter()
@@ -47,7 +50,7 @@ def main():
     wall = time.perf_counter() - t0
     shutdown_pools()
     print(f"{args.scaler} on {args.placement}: {counted['sequences']} sequences, {counted['calls']} calls "
-          f"in {wall:.2f} s ({counted['calls'] / wall:.0f} calls/s, on 2 ranks)")
+          f"in {wall:.2f} s ({counted['calls'] / wall:.0f} calls/s, on 2 or 4 ranks)")
     print(f"sequence_examples_per_second={counted['sequences'] / wall:.1f}")
 
 

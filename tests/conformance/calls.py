@@ -8,9 +8,12 @@ A call is plain data (a frozen dataclass): it travels to the ranks pickled, and 
 JSON (`as_data` / `from_data`). What a step did to the params is a `Moved`, compared as a value.
 
 The problem is drawn too (the config): each param's dtype, so one optimizer holds grads of several dtypes
-and an fp16 grad overflows in backward itself at a high enough scale; which params a backward reaches, so
-grads appear late and vanish; growth and backoff factors and new scales that are not powers of two, so
-unscaling rounds; and checkpoints kept in memory and loaded later into a fresh or a used scaler.
+and an fp16 grad overflows in backward itself at a high enough scale; params stored transposed (strided
+grads) and a param whose shard on rank 1 is empty; which params a backward reaches, so grads appear late
+and vanish; growth and backoff factors and new scales that are not powers of two, so unscaling rounds;
+checkpoints kept in memory and loaded later into a fresh or a used scaler; and the process group: WORLD
+of 2 ranks, or 4 ranks in two halves, each scaler given its half (HSDP's shard group), where an overflow
+in one half must not touch the other.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from tests.conformance.problem import (INF_VALUES, Problem, ScalerModel, build_s
                                        unscaled)
 
 N_PARAMS = 4  # one optimizer: all four; two: params 0-1 and 2-3
+GROUPS = {"world": [[0, 1]], "halves": [[0, 1], [2, 3]]}  # config["groups"] -> the ranks of each process group
+EMPTY_ON_RANK = 1  # config["empty"]: the param whose shard is empty on this rank (an uneven FSDP shard)
 LR = 0.5  # SGD without momentum: a step moves p by exactly -LR * grad (all values are dyadic and small)
 
 
@@ -43,19 +48,44 @@ def dtypes_of(config: dict) -> list:
     return list(config.get("dtypes") or ["float32"] * N_PARAMS)
 
 
+def groups_of(config: dict) -> list:
+    return GROUPS[config.get("groups", "world")]
+
+
+def group_of(config: dict, rank: int) -> int:
+    return next(g for g, ranks in enumerate(groups_of(config)) if rank in ranks)
+
+
+def world_size(config: dict) -> int:
+    return sum(len(ranks) for ranks in groups_of(config))
+
+
+def holds(config: dict, rank: int, param: int) -> bool:
+    """Does this rank's shard of the param have elements?"""
+    return not (config.get("empty") == param and rank == EMPTY_ON_RANK)
+
+
 class Rank:
     """One rank's side of a sequence: its problem, scaler and optimizers, the backward passes each param's grad
     accumulates this iteration, and the checkpoints kept so far."""
 
     def __init__(self, spec: str, placement: str, config: dict, rank: int):
+        import torch.distributed as dist
+
         self.spec, self.rank = spec, rank
         # each rank its own shard; every target's largest element first, so fp16 overflows alike on every rank
-        self.pb = Problem(placement, dtype=dtypes_of(config), n_params=N_PARAMS, seed_offset=rank, peak=True)
+        self.pb = Problem(placement, dtype=dtypes_of(config), n_params=N_PARAMS, seed_offset=rank, peak=True,
+                          numel=[6 if holds(config, rank, i) else 0 for i in range(N_PARAMS)],
+                          transposed=config.get("transposed", ()))
         n_opt = config["n_optimizers"]
         self.members = [[i for i in range(N_PARAMS) if owner(i, n_opt) == o] for o in range(n_opt)]
         self.opts = [torch.optim.SGD([self.pb.params[i] for i in m], lr=LR) for m in self.members]
         settings = {k: config[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
-        self.scaler = build_scaler(spec, self.pb, **settings)
+        # every rank creates every group, in order (new_group is collective); WORLD needs none
+        self.groups = [dist.new_group(ranks) for ranks in groups_of(config)] if len(groups_of(config)) > 1 else []
+        self.build = lambda **kw: build_scaler(spec, self.pb, process_group=(
+            self.groups[group_of(config, rank)] if self.groups else None), **kw)
+        self.scaler = self.build(**settings)
         self.backwards = 0
         self.accumulated = [0] * N_PARAMS
         self.kept = {}
@@ -69,14 +99,21 @@ class Rank:
         """After every call: only update() (or a load) may change them."""
         return dict(scale=float(self.scaler.get_scale()), tracker=int(self.scaler.state_dict()["_growth_tracker"]))
 
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        for group in self.groups:
+            dist.destroy_process_group(group)
+
 
 class ProblemModel(ScalerModel):
     """The contract model plus what it must know of the drawn problem: each param's dtype and optimizer, and the
     backward passes its grad accumulates this iteration (an fp16 grad overflows in backward at a high scale)."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, group_ranks=()):
         super().__init__(config["init_scale"], config["growth_factor"], config["backoff_factor"],
                          config["growth_interval"], config["n_optimizers"])
+        self.group_ranks = tuple(group_ranks)  # the ranks this model speaks for
         self.dtypes = dtypes_of(config)
         self.accumulated = [0] * N_PARAMS
         self.kept = {}
@@ -114,9 +151,10 @@ class Backward:
         for i in range(N_PARAMS) if self.reaches is None else self.reaches:
             r.accumulated[i] += 1
         if self.bad and self.bad.rank == r.rank:
-            grad = r.pb.params[self.bad.param].grad.view(-1)
+            grad = r.pb.params[self.bad.param].grad  # indexed, not viewed: it may be strided
+            where = tuple(0 if self.bad.element == "first" else n - 1 for n in grad.shape)
             with torch.no_grad():
-                grad[0 if self.bad.element == "first" else grad.numel() - 1] = INF_VALUES[self.bad.value]
+                grad[where] = INF_VALUES[self.bad.value]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # an idle GPU at step(), as in problem.Problem.backward
         r.backwards += 1
@@ -126,6 +164,7 @@ class Backward:
         n_opt = len(model.stage)
         for i in range(N_PARAMS) if self.reaches is None else self.reaches:
             model.accumulated[i] += 1
+        # a param held by no rank of the group cannot overflow there; here every param has elements on some rank
         bad = {owner(i, n_opt) for i in range(N_PARAMS)
                if model.accumulated[i] and grad_overflows(model.dtypes[i], model.scale, model.accumulated[i])}
         if self.bad:
@@ -206,7 +245,7 @@ class Resume:
 
     def on_rank(self, r: Rank) -> dict:
         saved = r.scaler.state_dict()
-        r.scaler = build_scaler(r.spec, r.pb)
+        r.scaler = r.build()
         r.scaler.load_state_dict(saved)
         return {}
 
@@ -246,7 +285,7 @@ class Load:
 
     def on_rank(self, r: Rank) -> dict:
         if self.fresh:
-            r.scaler = build_scaler(r.spec, r.pb)
+            r.scaler = r.build()
         r.scaler.load_state_dict(r.kept[self.slot])
         return {}
 
@@ -274,6 +313,17 @@ def from_data(data: dict):
     if cls is Backward and fields.get("reaches") is not None:
         fields["reaches"] = tuple(fields["reaches"])
     return cls(**fields)
+
+
+def advance_groups(models: list, call) -> list[dict]:
+    """One call on each group's model (an overflow belongs to the group of its rank); -> each group's facts."""
+    out = []
+    for g, model in enumerate(models):
+        mine = call
+        if isinstance(call, Backward) and call.bad and model.group_ranks and call.bad.rank not in model.group_ranks:
+            mine = dataclasses.replace(call, bad=None)
+        out.append(advance(model, mine))
+    return out
 
 
 def advance(model: ScalerModel, call) -> dict:

@@ -76,7 +76,9 @@ class Problem:
     """n_params parameters (round-robin over the placement's devices) with exact targets c_i."""
 
     def __init__(self, placement: str, dtype: str | list[str] = "float32", n_params: int = 3, seed_offset: int = 0,
-                 numel: int | list[int] = 6, peak: bool = False):  # a list: each param's own dtype / size
+                 numel: int | list[int] = 6, peak: bool = False, transposed=()):
+        # dtype, numel: a list gives each param its own; transposed: the params stored as the transpose of a
+        # 2-row matrix, non-contiguous, so their grads are too (autograd gives a grad its param's strides)
         spec = PLACEMENTS[placement]
         dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * n_params
         self.placement, self.dtype = placement, DTYPES[dtypes[0]]
@@ -89,8 +91,10 @@ class Problem:
             n = numel[i] if isinstance(numel, list) else numel
             p = (torch.randint(-8, 8, (n,), generator=g).to(dt) / 8).to(dev)
             c = (torch.randint(-4, 4, (n,), generator=g).to(dt) / 8).to(dev)
-            if peak:  # whether a low-precision grad overflows is then the same on every rank (grad_overflows)
-                c[0] = -PEAK
+            if i in transposed and n:
+                p, c = p.view(2, n // 2).t(), c.view(2, n // 2).t().contiguous()
+            if peak and n:  # whether a low-precision grad overflows is then the same on every rank (grad_overflows)
+                c.view(-1)[0] = -PEAK
             self.params.append(p.requires_grad_())
             self.targets.append(c)
 

@@ -1,9 +1,11 @@
-"""Sequences: any legal sequence of GradScaler calls, on two ranks, does what the contract model says.
+"""Sequences: any legal sequence of GradScaler calls, on two or four ranks, does what the contract model says.
 
 Hypothesis draws the problem: the scaler's settings (init scale down to 1/8 and up to float32's limit;
 growth and backoff factors, and new scales, that need not be powers of two; interval), one or two
 optimizers, each param's dtype (fp32, fp16, bf16 in one optimizer; an fp16 grad overflows in backward at
-a high scale). Then a sequence of rules: a backward (reaching every param or only some, so grads appear
+a high scale), params stored transposed (strided grads), a param whose shard is empty on rank 1, and the
+process groups: WORLD of 2 ranks, or 4 ranks in two halves with each scaler given its half (one model
+per group: an overflow in one half must not touch the other). Then a sequence of rules: a backward (reaching every param or only some, so grads appear
 late and vanish; clean, or inf / -inf / NaN in the first or last element of one grad on one rank; a
 second backward accumulates), an explicit unscale_ of either optimizer, a step of either, an update (or
 update(new_scale)), a checkpoint round trip into a scaler built with the defaults, a checkpoint kept in
@@ -11,7 +13,7 @@ memory and loaded later into the running scaler or a fresh one. The oracle is pr
 what it must know of the problem (calls.ProblemModel).
 The whole sequence is one task on the rank pool; each rank reports, after every call, what a user
 can see, and the controller checks it against the model, call by call:
-  - after every call: scale and growth tracker (state_dict) equal the model's, on every rank;
+  - after every call: scale and growth tracker (state_dict) equal its group's model's, on every rank;
   - after step: the params moved exactly by -lr * (sum of the unscaled grads) iff the model says the
     step applies, else not at all; after a clean unscale_: the grads are exactly unscaled (exactly as
     torch's float32 arithmetic rounds them: problem.scaled_grad and unscaled); a param no backward
@@ -36,14 +38,15 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from tests.conformance.calls import (N_PARAMS, Backward, Keep, Load, Overflow, ProblemModel, Rank, Resume, Step, Unscale,
-                                     Update, advance, as_data, from_data, owner)
+from tests.conformance.calls import (EMPTY_ON_RANK, GROUPS, N_PARAMS, Backward, Keep, Load, Overflow, ProblemModel, Rank,
+                                     Resume, Step, Unscale, Update, advance_groups, as_data, from_data, group_of,
+                                     groups_of, holds, owner, world_size)
 from tests.conformance.problem import INF_VALUES, PLACEMENTS as DEVICES, placement_params, run_at
 
 pytestmark = pytest.mark.conformance
 REPORT_COLUMN = "sequences"  # the compatibility report's column for these checks (tests/report.py)
 
-WORLD_SIZE = 2
+MAX_WORLD_SIZE = max(sum(map(len, groups)) for groups in GROUPS.values())
 PLACEMENTS = ["cpu", "cuda", "offload", "mixed"]
 # float32 powers of two: below 1 (backoffs go under it), ordinary, and at the top (a growth would be inf)
 INIT_SCALES = (1.0, 2.0**-3, 2.0**8, 2.0**16, 2.0**126, 2.0**127)
@@ -71,21 +74,25 @@ def run_sequence(spec: str, placement: str, config: dict, sequence: list) -> lis
     """Runs on a rank: the calls of `sequence` on a fresh problem and scaler; what was seen after each."""
     rank = dist.get_rank()
     r, seen = Rank(spec, placement, config, rank), []
-    for i, call in enumerate(sequence):
-        try:
-            seen.append(dict(call.on_rank(r), **r.seen()))
-        except Exception as exc:
-            raise RuntimeError(f"call {i} ({call.describe()}) raised on rank {rank}: {type(exc).__name__}: {exc}") from exc
+    try:
+        for i, call in enumerate(sequence):
+            try:
+                seen.append(dict(call.on_rank(r), **r.seen()))
+            except Exception as exc:
+                raise RuntimeError(f"call {i} ({call.describe()}) raised on rank {rank}: {type(exc).__name__}: "
+                                   f"{exc}") from exc
+    finally:
+        r.close()
     return seen
 
 
 # ------------------------------------------------------------------ the controller: model vs ranks
 
-def first_divergence(expected: list[dict], seen: list[list[dict]]) -> tuple[int, str] | None:
-    """The first call where a rank saw other than the model says: (its index, a sentence); None if none."""
-    for i, want in enumerate(expected):
+def first_divergence(config: dict, expected: list[list[dict]], seen: list[list[dict]]) -> tuple[int, str] | None:
+    """The first call where a rank saw other than its group's model says: (its index, a sentence); None if none."""
+    for i, per_group in enumerate(expected):
         for rank, facts in enumerate(seen):
-            got = facts[i]
+            got, want = facts[i], per_group[group_of(config, rank)]
             for key, value in want.items():
                 if got.get(key) != value:
                     return i, (f"call {i}: rank {rank} saw {key} = {got.get(key)!r}, the contract says {value!r} "
@@ -100,24 +107,31 @@ def replay_command(spec: str, placement: str, config: dict, sequence: list) -> s
 
 
 def check_sequence(spec: str, placement: str, config: dict, sequence: list, expected: list[dict]) -> None:
-    seen = run_at(placement, run_sequence, spec, placement, config, sequence, world_size=WORLD_SIZE)
-    where = first_divergence(expected, seen)
+    seen = run_at(placement, run_sequence, spec, placement, config, sequence, world_size=world_size(config))
+    where = first_divergence(config, expected, seen)
     if where:
         i, problem = where
         calls = sequence[:i + 1]  # what came after cannot have caused it
-        listing = "\n".join(f"  {j:3d}  {c.describe()}    expected {expected[j]}" for j, c in enumerate(calls))
+        listing = "\n".join(f"  {j:3d}  {c.describe()}    expected {_per_group(config, expected[j])}"
+                            for j, c in enumerate(calls))
         raise AssertionError(f"{problem}\n\nscaler settings {config}; the calls up to it:\n{listing}\n\n"
                              f"replay exactly this sequence:\n  {replay_command(spec, placement, config, calls)}")
 
 
-def model_of(config: dict) -> ProblemModel:
-    return ProblemModel(config)
+def _per_group(config: dict, facts: list[dict]):
+    return facts[0] if len(facts) == 1 else {f"ranks {ranks}": f for ranks, f in zip(groups_of(config), facts)}
 
 
-def expected_facts(config: dict, sequence: list) -> list[dict]:
-    """What every rank must see after each call, from the model."""
-    model = model_of(config)
-    return [advance(model, call) for call in sequence]
+def models_of(config: dict) -> list[ProblemModel]:
+    """One contract model per process group: each group agrees within itself only."""
+    groups = groups_of(config)
+    return [ProblemModel(config, ranks if len(groups) > 1 else ()) for ranks in groups]
+
+
+def expected_facts(config: dict, sequence: list) -> list[list[dict]]:
+    """What every rank of each group must see after each call, from the models."""
+    models = models_of(config)
+    return [advance_groups(models, call) for call in sequence]
 
 
 class ScalerContract(RuleBasedStateMachine):
@@ -137,25 +151,32 @@ class ScalerContract(RuleBasedStateMachine):
         # sequences away from the top of the scale's range
         dtypes = data.draw(st.one_of(st.just(["float32"] * N_PARAMS), st.lists(
             st.sampled_from(CUDA_DTYPES if on_cuda else DTYPES), min_size=N_PARAMS, max_size=N_PARAMS)), label="dtypes")
+        # the shapes: params stored transposed (strided grads); one param's shard empty on rank 1
+        transposed = data.draw(st.sets(st.integers(0, N_PARAMS - 1)), label="transposed")
+        empty = data.draw(st.none() | st.integers(0, N_PARAMS - 1), label="empty on rank 1")
+        groups = data.draw(st.sampled_from(tuple(GROUPS)), label="process groups")
         self.config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                           growth_interval=growth_interval, n_optimizers=n_optimizers, dtypes=dtypes)
-        self.model = model_of(self.config)
+                           growth_interval=growth_interval, n_optimizers=n_optimizers, dtypes=dtypes,
+                           transposed=sorted(transposed), empty=empty, groups=groups)
+        self.models = models_of(self.config)
+        self.model = self.models[0]  # the stages, backward count and kept slots are the same in every group
 
     def _call(self, call) -> None:
         self.sequence.append(call)
-        self.expected.append(advance(self.model, call))
+        self.expected.append(advance_groups(self.models, call))
 
     def _may_backward(self) -> bool:
         return self.model.allows("backward") and self.model.backwards < MAX_BACKWARDS
 
     def _reaches(self, left_out: set, also: int | None = None) -> tuple | None:
-        """The params a backward reaches: all but `left_out`, keeping one of each optimizer (an optimizer without
-        a single grad is an API error for torch's scalers, not a contract question) and `also`."""
-        n_opt = self.config["n_optimizers"]
+        """The params a backward reaches: all but `left_out`, keeping one of each optimizer that every rank holds
+        (an optimizer without a single grad is an API error for torch's scalers, not a contract question) and
+        `also`."""
+        n_opt, empty = self.config["n_optimizers"], self.config["empty"]
         reached = [i for i in range(N_PARAMS) if i not in left_out or i == also]
-        for o in range(n_opt):
-            if not any(owner(i, n_opt) == o for i in reached):
-                reached.append(next(i for i in range(N_PARAMS) if owner(i, n_opt) == o))
+        for o in range(n_opt):  # one with elements on every rank: else a step could have nothing to move there
+            if not any(owner(i, n_opt) == o and i != empty for i in reached):
+                reached.append(next(i for i in range(N_PARAMS) if owner(i, n_opt) == o and i != empty))
         return None if len(reached) == N_PARAMS else tuple(sorted(reached))
 
     @precondition(lambda self: self._may_backward())
@@ -163,11 +184,14 @@ class ScalerContract(RuleBasedStateMachine):
     def backward(self, left_out):
         self._call(Backward(reaches=self._reaches(left_out)))
 
-    @precondition(lambda self: self._may_backward() and self.model.scale >= MIN_SCALE_FOR_OVERFLOW)
-    @rule(rank=st.integers(0, WORLD_SIZE - 1), param=st.integers(0, N_PARAMS - 1),
+    @precondition(lambda self: self._may_backward() and min(m.scale for m in self.models) >= MIN_SCALE_FOR_OVERFLOW)
+    @rule(rank=st.integers(0, MAX_WORLD_SIZE - 1), param=st.integers(0, N_PARAMS - 1),
           element=st.sampled_from(("last", "first")), value=st.sampled_from(tuple(INF_VALUES)),
           left_out=st.sets(st.integers(0, N_PARAMS - 1), max_size=N_PARAMS - 1))
     def backward_with_overflow(self, rank, param, element, value, left_out):
+        rank %= world_size(self.config)
+        if not holds(self.config, rank, param):  # nothing to overwrite in an empty shard
+            rank = (EMPTY_ON_RANK + 1) % world_size(self.config)
         self._call(Backward(Overflow(rank, param, element, value), reaches=self._reaches(left_out, also=param)))
 
     # one rule per kind of call, its arguments drawn (Hypothesis' swarm testing switches whole rules off per

@@ -638,6 +638,52 @@ class StateDictIsLive(DeviceSplitGradScaler):
         if "_live" in self.__dict__:
             self._live.update(super().state_dict())
 
+
+@mutant("explicit_unscale_agrees_over_world", caught_by=[SEQUENCES])
+class ExplicitUnscaleAgreesOverWorld(DeviceSplitGradScaler):
+    """The clipping path's unscale_ agrees over WORLD, not the given process_group (step() alone uses the group):
+    under HSDP's shard groups one group's overflow skips the other group's step after a clip."""
+
+    _stepping = False
+
+    def step(self, optimizer, *args, **kwargs):
+        self._stepping = True
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            self._stepping = False
+
+    def unscale_(self, optimizer):
+        if self._stepping:
+            return super().unscale_(optimizer)
+        group, self.process_group = self.process_group, None
+        try:
+            return super().unscale_(optimizer)
+        finally:
+            self.process_group = group
+
+
+@mutant("unscales_contiguous_copies", caught_by=[SEQUENCES])
+class UnscalesContiguousCopies(DeviceSplitGradScaler):
+    """Hands the kernel grad.contiguous(): a strided grad (a channels_last or transposed param's) is unscaled in a
+    copy that is thrown away, so its optimizer steps on the scaled grad."""
+
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        _check_and_unscale([g.contiguous() for g in grads], found_inf, inv_scale)
+
+
+@mutant("checks_by_max_magnitude", caught_by=[SEQUENCES])
+class ChecksByMaxMagnitude(DeviceSplitGradScaler):
+    """Checks each grad through one reduction, grad.abs().max(), instead of the elementwise kernel: right for
+    inf and NaN, but max() of a rank's empty shard raises."""
+
+    @staticmethod
+    def _check_and_unscale(grads, found_inf, inv_scale):
+        peaks = torch.stack([g.abs().max() for g in grads])
+        found_inf.add_(peaks.isfinite().logical_not().any().float())
+        torch._foreach_mul_(grads, inv_scale)
+
 # The factories, by the names the specs use (`--scaler tests.planted.scalers:<name>`): each is its class's
 # @mutant name (tests/meta/test_planted.py checks that every name resolves to the factory registered under it).
 no_agreement = NoAgreement.factory
@@ -690,3 +736,6 @@ found_inf_per_dtype_overwritten = FoundInfPerDtypeOverwritten.factory
 grads_listed_at_first_unscale = GradsListedAtFirstUnscale.factory
 scale_not_rounded_to_float32 = ScaleNotRoundedToFloat32.factory
 state_dict_is_live = StateDictIsLive.factory
+explicit_unscale_agrees_over_world = ExplicitUnscaleAgreesOverWorld.factory
+unscales_contiguous_copies = UnscalesContiguousCopies.factory
+checks_by_max_magnitude = ChecksByMaxMagnitude.factory
