@@ -89,6 +89,7 @@ UNSCALE_TESTS = {"test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_
 BUSY = "test_busy_gpu_cpu_grads_are_unscaled_and_checked"
 FUSED = "test_an_overflow_skips_a_fused_optimizer_exactly"  # param `fused`: the optimizer class (test_fused_optimizers.py)
 STEP_COUNTER_FUSED = ("Adam", "AdamW", "Adagrad")  # fused optimizers whose state has a shape-[] step counter
+MESH = "test_every_rank_of_the_mesh_takes_the_same_decision"  # params: mesh, order, bad (test_meshes.py)
 MATRIX = "test_fsdp_matches_ddp"
 CPU_SCALE = ("cpu", "cpu_loss", "mixed_cpu_scale")  # placements where the scale tensor lives on CPU
 CPU_GRADS_CUDA_SCALE = ("offload", "mixed")
@@ -214,6 +215,24 @@ KNOWN_BUGS = [
          "Bites real loops that "
          "queue GPU work between backward and unscale_/step", when=where(placement=CPU_GRADS_CUDA_SCALE),
          title="non_blocking CPU copies of inv_scale/found_inf read before they land (busy GPU)"),
+    # ---- meshes (test_meshes.py); the mixed-grads crash first: it raises before any agreement
+    _bug("dtensor-mixed-with-tensor-grads", {"torch_amp", "torch_sharded"}, {MESH},
+         "an optimizer holding DTensor params and plain tensor params on the same device and dtype (a model only "
+         "partly under FSDP2 or tensor parallelism) crashes torch's scalers: they unscale the grads of one device "
+         "and dtype in one torch._amp_foreach_non_finite_check_and_unscale_ call, which DTensor dispatch refuses: "
+         "RuntimeError: ... got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor",
+         when=lambda params, cuda: "plain" in params.get("order", ()),
+         title="DTensor and plain tensor grads in one optimizer: the unscale kernel call raises"),
+    _bug("dtensor-found-inf-first-grad-placements", {"torch_amp"}, {MESH},
+         "torch.amp.GradScaler relies on DTensor to agree on found_inf, and DTensor's handler for "
+         "torch._amp_foreach_non_finite_check_and_unscale_ (found_inf_reduce_handler) reduces found_inf only "
+         "along the mesh dims where the FIRST grad of the list is sharded, over that grad's mesh: with a "
+         "TP-replicated param (a norm or bias: the no-decay group put first) or an expert's param on a sub-mesh "
+         "first in the optimizer, an inf anywhere else is seen by part of the mesh only, which skips while the "
+         "rest steps",
+         when=lambda params, cuda: (params.get("bad") is not None and "plain" not in params.get("order", ())
+                                    and params["order"][0] in ("replicated", "expert")),
+         title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only"),
     # ---- the FSDP-vs-DDP matrix (tests/matrix)
     _bug("torch-amp-not-shard-aware-fsdp", {"torch_amp"}, {MATRIX},
          "torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1 (and fairscale) an inf in one "
@@ -325,9 +344,9 @@ def race_skip_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str
     """Cells of built-ins whose outcome on a CUDA machine is not deterministic (or not yet known)."""
     if not cuda:
         return None
-    if spec == "fairscale_sharded" and test_name == "test_fsdp2_dtensor_grads_agree_across_ranks":
-        # fairscale predates FSDP2; on CPU it disables itself (a strict xfail above)
-        return "fairscale_sharded with FSDP2 DTensor grads on a CUDA machine: not yet characterised"
+    if spec == "fairscale_sharded" and test_name in ("test_fsdp2_dtensor_grads_agree_across_ranks", MESH):
+        # fairscale predates DTensor; on CPU it disables itself (a strict xfail above)
+        return "fairscale_sharded with DTensor grads on a CUDA machine: not yet characterised"
     placement = check_param(params, "placement", cuda)
     if spec in RACY_SCALERS and placement in RACY_PLACEMENTS and test_name not in RACE_FREE_TESTS:
         return (f"{spec} on placement {placement!r} is timing-dependent (the async-copy race, known bug "

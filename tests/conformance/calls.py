@@ -60,6 +60,23 @@ def world_size(config: dict) -> int:
     return sum(len(ranks) for ranks in groups_of(config))
 
 
+_GROUPS: dict = {}  # ranks -> their process group, in this rank process
+
+
+def process_groups(config: dict) -> list:
+    """The config's process groups ([] for WORLD), made once per rank process: new_group is a collective over
+    WORLD that every rank must call in the same order, and slow enough (a store barrier, new connections)
+    that making them afresh for every sequence could outlast a task's time bound on a loaded machine."""
+    import torch.distributed as dist
+
+    if len(groups_of(config)) == 1:
+        return []
+    for ranks in groups_of(config):  # every rank, every group, in the table's order
+        if tuple(ranks) not in _GROUPS:
+            _GROUPS[tuple(ranks)] = dist.new_group(ranks)
+    return [_GROUPS[tuple(ranks)] for ranks in groups_of(config)]
+
+
 def holds(config: dict, rank: int, param: int) -> bool:
     """Does this rank's shard of the param have elements?"""
     return not (config.get("empty") == param and rank == EMPTY_ON_RANK)
@@ -70,8 +87,6 @@ class Rank:
     accumulates this iteration, and the checkpoints kept so far."""
 
     def __init__(self, spec: str, placement: str, config: dict, rank: int):
-        import torch.distributed as dist
-
         self.spec, self.rank = spec, rank
         # each rank its own shard; every target's largest element first, so fp16 overflows alike on every rank
         self.pb = Problem(placement, dtype=dtypes_of(config), n_params=N_PARAMS, seed_offset=rank, peak=True,
@@ -81,8 +96,7 @@ class Rank:
         self.members = [[i for i in range(N_PARAMS) if owner(i, n_opt) == o] for o in range(n_opt)]
         self.opts = [torch.optim.SGD([self.pb.params[i] for i in m], lr=LR) for m in self.members]
         settings = {k: config[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
-        # every rank creates every group, in order (new_group is collective); WORLD needs none
-        self.groups = [dist.new_group(ranks) for ranks in groups_of(config)] if len(groups_of(config)) > 1 else []
+        self.groups = process_groups(config)
         self.build = lambda **kw: build_scaler(spec, self.pb, process_group=(
             self.groups[group_of(config, rank)] if self.groups else None), **kw)
         self.scaler = self.build(**settings)
@@ -99,11 +113,6 @@ class Rank:
         """After every call: only update() (or a load) may change them."""
         return dict(scale=float(self.scaler.get_scale()), tracker=int(self.scaler.state_dict()["_growth_tracker"]))
 
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        for group in self.groups:
-            dist.destroy_process_group(group)
 
 
 class ProblemModel(ScalerModel):

@@ -74,15 +74,11 @@ def run_sequence(spec: str, placement: str, config: dict, sequence: list) -> lis
     """Runs on a rank: the calls of `sequence` on a fresh problem and scaler; what was seen after each."""
     rank = dist.get_rank()
     r, seen = Rank(spec, placement, config, rank), []
-    try:
-        for i, call in enumerate(sequence):
-            try:
-                seen.append(dict(call.on_rank(r), **r.seen()))
-            except Exception as exc:
-                raise RuntimeError(f"call {i} ({call.describe()}) raised on rank {rank}: {type(exc).__name__}: "
-                                   f"{exc}") from exc
-    finally:
-        r.close()
+    for i, call in enumerate(sequence):
+        try:
+            seen.append(dict(call.on_rank(r), **r.seen()))
+        except Exception as exc:
+            raise RuntimeError(f"call {i} ({call.describe()}) raised on rank {rank}: {type(exc).__name__}: {exc}") from exc
     return seen
 
 

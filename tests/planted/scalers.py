@@ -11,9 +11,9 @@ import math
 import torch
 from torch.amp.grad_scaler import OptState
 
-from scaler_impl.scaler import DeviceSplitGradScaler, _f32
+from scaler_impl.scaler import DTensor, DeviceSplitGradScaler, _f32
 from tests.planted.registry import mutant
-from tests.known_bugs import FUSED, SEQUENCES
+from tests.known_bugs import FUSED, MESH, SEQUENCES
 
 _check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
 
@@ -684,6 +684,36 @@ class ChecksByMaxMagnitude(DeviceSplitGradScaler):
         found_inf.add_(peaks.isfinite().logical_not().any().float())
         torch._foreach_mul_(grads, inv_scale)
 
+
+@mutant("trusts_dtensor_agreement", caught_by=[MESH])
+class TrustsDTensorAgreement(DeviceSplitGradScaler):
+    """With DTensor grads, leaves the agreement to DTensor, as torch.amp.GradScaler (and accelerate with FSDP2)
+    does: the unscale kernel is called on the DTensors, whose handler reduces found_inf over the mesh, and the
+    scaler's own all-reduce is skipped. CPU grads only (a planted defect, not a scaler)."""
+
+    _trusting = False
+
+    def _unscale_grads_(self, optimizer):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        dtensors = [g for g in grads if isinstance(g, DTensor)]
+        self._trusting = bool(dtensors)
+        if not dtensors:
+            return super()._unscale_grads_(optimizer)
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        found, inv = torch.zeros(()), torch.full((), _f32(1.0 / self._scale))
+        with torch.no_grad():
+            for group in (dtensors, plain):
+                if group:
+                    mine = torch.zeros(())
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, mine, inv)
+                    found += mine
+        return {torch.device("cpu"): found}
+
+    def _agree(self, found):
+        if self._trusting:
+            return float(sum(t.item() for t in found.values()))
+        return super()._agree(found)
+
 # The factories, by the names the specs use (`--scaler tests.planted.scalers:<name>`): each is its class's
 # @mutant name (tests/meta/test_planted.py checks that every name resolves to the factory registered under it).
 no_agreement = NoAgreement.factory
@@ -739,3 +769,4 @@ state_dict_is_live = StateDictIsLive.factory
 explicit_unscale_agrees_over_world = ExplicitUnscaleAgreesOverWorld.factory
 unscales_contiguous_copies = UnscalesContiguousCopies.factory
 checks_by_max_magnitude = ChecksByMaxMagnitude.factory
+trusts_dtensor_agreement = TrustsDTensorAgreement.factory

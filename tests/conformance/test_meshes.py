@@ -1,0 +1,145 @@
+"""Meshes: DTensor grads of several placements in one optimizer, on a 1D and a 2D (dp x tp) device mesh.
+
+The contract on a mesh: every rank of the job takes the same step or skip decision and holds the same
+scale, whichever rank sees the inf, along whichever mesh dimension, in whichever param (sharded or
+replicated along any dimension, on the whole mesh or a sub-mesh, or a plain tensor), and whichever param
+comes first in the optimizer (trainers put the decay group first, or the no-decay group of norms and
+biases, which tensor parallelism replicates).
+
+No FSDP: each rank builds its local shards and their grads (c * scale, exact) itself and hands them to the
+scaler through one SGD. Four gloo ranks on CPU; the 2D mesh is [[0, 1], [2, 3]] with dims (dp, tp), so
+rank 1 differs from rank 0 along tp and rank 2 along dp.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conformance.problem import placement_params, run_at
+from tests.scalers import make_scaler
+
+pytestmark = pytest.mark.conformance
+REPORT_COLUMN = "meshes"  # the compatibility report's column for these checks (tests/report.py)
+
+WORLD_SIZE = 4
+INIT_SCALE, BACKOFF, LR = 256.0, 0.5, 0.5
+# mesh -> its shape and dim names, and the param kinds it holds: kind -> (mesh dims it lives on (None: a
+# plain tensor), placements, global shape). On 2D: a TP-sharded weight under FSDP, a TP-replicated norm
+# under FSDP, an expert's weight on the tp sub-mesh only, a plain tensor of each rank's own.
+MESHES = {
+    "1d": dict(shape=(4,), names=("dp",), kinds={
+        "sharded": (("dp",), ("Shard(0)",), (8,)),
+        "replicated": (("dp",), ("Replicate()",), (2,)),
+        "plain": (None, (), (2,)),
+    }),
+    "2d": dict(shape=(2, 2), names=("dp", "tp"), kinds={
+        "sharded": (("dp", "tp"), ("Shard(0)", "Shard(1)"), (4, 4)),
+        "replicated": (("dp", "tp"), ("Shard(0)", "Replicate()"), (4,)),
+        "expert": (("tp",), ("Shard(0)",), (4,)),
+        "plain": (None, (), (2,)),
+    }),
+}
+# the rank that sees the inf: along each mesh dimension from rank 0 in turn (on 1D: the far end)
+INF_RANKS = {"1d": {"dp": 3}, "2d": {"tp": 1, "dp": 2}}
+
+
+def _orders(mesh: str) -> list[tuple]:
+    """The DTensor kinds, each first once (a rotation: the kind that comes first decides what some scalers
+    reduce found_inf over); then every kind with the plain tensor first and last (some scalers refuse a
+    mix of DTensor and plain grads, which would hide the rotations' findings if every order had one)."""
+    dtensors = [k for k, (dims, _, _) in MESHES[mesh]["kinds"].items() if dims is not None]
+    rotations = [tuple(dtensors[i:] + dtensors[:i]) for i in range(len(dtensors))]
+    return rotations + [("plain", *dtensors), (*dtensors, "plain")]
+
+
+def _placement(text: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return eval(text, {"Shard": Shard, "Replicate": Replicate})  # the table's own two spellings
+
+
+def _local_shape(shape, placements, mesh_sizes) -> tuple:
+    out = list(shape)
+    for text, size in zip(placements, mesh_sizes):
+        if text.startswith("Shard"):
+            out[int(text[6:-1])] //= size
+    return tuple(out)
+
+
+_MESHES: dict = {}  # mesh name -> its DeviceMesh, in this rank process
+
+
+def device_mesh(name: str):
+    """The named mesh, made once per rank process: making one is a collective (new process groups), slow
+    enough that making it for every check could outlast a task's time bound on a loaded machine."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if name not in _MESHES:
+        _MESHES[name] = init_device_mesh("cpu", MESHES[name]["shape"], mesh_dim_names=MESHES[name]["names"])
+    return _MESHES[name]
+
+
+def _mesh_step(spec: str, mesh_name: str, order: tuple, bad: tuple | None) -> dict:
+    """Runs on a rank: one scaled step of params of `order`'s kinds; bad = (kind, rank) of the inf."""
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    table = MESHES[mesh_name]
+    mesh = device_mesh(mesh_name)
+    g = torch.Generator().manual_seed(100 + rank)
+    params, targets = [], []
+    for kind in order:
+        dims, placements, shape = table["kinds"][kind]
+        sub = None if dims is None else mesh if tuple(dims) == table["names"] else mesh[dims[0]]
+        local = _local_shape(shape, placements, [] if dims is None else [mesh.size(mesh.mesh_dim_names.index(d))
+                                                                          for d in dims])
+        p = (torch.randint(-8, 8, local, generator=g).float() / 8)
+        c = (torch.randint(-4, 4, local, generator=g).float() / 8)
+        if dims is not None:
+            p = DTensor.from_local(p, sub, [_placement(t) for t in placements], run_check=False)
+        params.append(torch.nn.Parameter(p))
+        targets.append(c)
+    s = make_scaler(spec, device="cpu", init_scale=INIT_SCALE, backoff_factor=BACKOFF)
+    s.scale(torch.ones(()))  # the scale's device: the loss's (here no loss: the grads are set directly)
+    for kind, p, c in zip(order, params, targets):
+        grad = c * INIT_SCALE  # the scaled grad, exact
+        if bad and kind == bad[0] and rank == bad[1]:
+            grad.view(-1)[0] = math.inf
+        p.grad = grad if not isinstance(p.data, DTensor) else DTensor.from_local(
+            grad, p.device_mesh, p.placements, run_check=False)
+    opt = torch.optim.SGD(params, lr=LR, foreach=False)  # one loop: DTensors and plain tensors in one list
+    before = [_local(p).clone() for p in params]
+    s.step(opt)
+    s.update()
+    after = [_local(p) for p in params]
+    moved_exactly = all(torch.equal(a, b - LR * c) for a, b, c in zip(after, before, targets))
+    untouched = all(torch.equal(a, b) for a, b in zip(after, before))
+    return dict(stepped="exactly" if moved_exactly else "not at all" if untouched else "wrongly",
+                scale=float(s.get_scale()))
+
+
+def _local(p) -> torch.Tensor:
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+
+def _cases():
+    for mesh in MESHES:
+        for order in _orders(mesh):
+            oid = "-".join(order)
+            yield pytest.param(mesh, order, None, id=f"{mesh}-{oid}-clean")
+            for kind in order:
+                for along, rank in INF_RANKS[mesh].items():
+                    yield pytest.param(mesh, order, (kind, rank), id=f"{mesh}-{oid}-inf_in_{kind}_on_rank{rank}_{along}")
+
+
+@pytest.mark.parametrize("placement", placement_params(["cpu"]))
+@pytest.mark.parametrize("mesh, order, bad", list(_cases()))
+def test_every_rank_of_the_mesh_takes_the_same_decision(scaler, placement, mesh, order, bad):
+    out = run_at(placement, _mesh_step, scaler, mesh, order, bad, world_size=WORLD_SIZE)
+    want = (dict(stepped="not at all", scale=INIT_SCALE * BACKOFF) if bad else
+            dict(stepped="exactly", scale=INIT_SCALE))
+    assert out == [want] * WORLD_SIZE, (
+        f"params in the order {list(order)} on the {mesh} mesh, "
+        f"{'inf in %s on rank %d' % bad if bad else 'clean'}: every rank must "
+        f"{'skip and back off' if bad else 'step exactly and keep its scale'}; per rank: {out}")
