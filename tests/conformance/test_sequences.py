@@ -66,6 +66,9 @@ MIN_SCALE_FOR_OVERFLOW = 2.0**-100
 # At most two backward passes per iteration: three at a scale of 2**127 sum |c| = 1/2 grads to 2**128, an
 # overflow of the arithmetic itself that the model would have to predict (found by this test).
 MAX_BACKWARDS = 2
+# The bound a whole sequence must finish in, hang or not: up to 30 calls, most with a collective over up to 4
+# gloo ranks, on a 2-core runner where the other xdist worker's ranks compete (its 4 ranks have sat past 60 s)
+SEQUENCE_TIMEOUT = 180
 
 
 # ------------------------------------------------------------------ on every rank: run one sequence
@@ -103,7 +106,8 @@ def replay_command(spec: str, placement: str, config: dict, sequence: list) -> s
 
 
 def check_sequence(spec: str, placement: str, config: dict, sequence: list, expected: list[dict]) -> None:
-    seen = run_at(placement, run_sequence, spec, placement, config, sequence, world_size=world_size(config))
+    seen = run_at(placement, run_sequence, spec, placement, config, sequence, world_size=world_size(config),
+                  timeout=SEQUENCE_TIMEOUT)
     where = first_divergence(config, expected, seen)
     if where:
         i, problem = where
