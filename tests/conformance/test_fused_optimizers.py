@@ -74,7 +74,10 @@ def _kernel_skips(optimizer: str, kind: str, found_inf: float) -> dict:
     opt = make_fused(optimizer, [p])
     p.grad = torch.tensor([1.0, math.inf], device=device)
     opt.grad_scale, opt.found_inf = None, torch.tensor(found_inf, device=device)  # as GradScaler.step sets them
-    opt.step()
+    try:
+        opt.step()
+    except NotImplementedError as exc:  # this torch has no such fused kernel on this device
+        return dict(unavailable=f"torch {torch.__version__} has no fused {optimizer} kernel on {kind}: {exc}")
     step = opt.state[p].get("step")
     return dict(skipped=torch.equal(p.detach().cpu(), torch.ones(2)), step=None if step is None else float(step))
 
@@ -83,6 +86,8 @@ def _kernel_skips(optimizer: str, kind: str, found_inf: float) -> dict:
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_a_fused_kernel_skips_only_on_found_inf_exactly_one(optimizer, device):
     observed = {v: run_at(device, _kernel_skips, optimizer, device, v)[0] for v in FOUND_INF_VALUES}
+    if "unavailable" in observed[0.0]:
+        pytest.skip(observed[0.0]["unavailable"])
     assert {v: o["skipped"] for v, o in observed.items()} == SKIPS_ON, (
         f"torch's fused {optimizer} on {device} no longer skips only on found_inf == 1.0: {observed}. The rule "
         f"that a scaler hands exactly 0.0 or 1.0 still holds; SKIPS_ON and docs/bugs.md need the new facts")
@@ -103,7 +108,10 @@ def _overflow_then_clean(spec: str, placement: str, optimizer: str, explicit_uns
         ref_opt = make_fused(optimizer, ref.params)
         for p, c in zip(ref.params, ref.targets):
             p.grad = c.clone()  # the exact grads, no scaler
-        ref_opt.step()
+        try:
+            ref_opt.step()
+        except NotImplementedError as exc:  # this torch has no such fused kernel on this device
+            return dict(unavailable=f"torch {torch.__version__} has no fused {optimizer} kernel here: {exc}")
         want = snapshot(ref.params, ref_opt)
 
         pb = Problem(placement, n_params=N_PARAMS, seed_offset=rank)
@@ -136,6 +144,8 @@ def _overflow_then_clean(spec: str, placement: str, optimizer: str, explicit_uns
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_an_overflow_skips_a_fused_optimizer_exactly(scaler, placement, fused, explicit_unscale):
     out = run_at(placement, _overflow_then_clean, scaler, placement, fused, explicit_unscale, world_size=2)
+    if "unavailable" in out[0]:
+        pytest.skip(out[0]["unavailable"])
     handed = [o["handed"] for o in out]
     assert all(v in HANDED_OK for h in handed for v in h), (
         f"a scaler must hand a fused optimizer found_inf of exactly 0.0 or 1.0 (its kernel skips only on 1.0); "
