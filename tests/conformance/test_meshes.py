@@ -47,7 +47,7 @@ INF_RANKS = {"1d": {"dp": 3}, "2d": {"tp": 1, "dp": 2}}
 def _orders(mesh: str) -> list[tuple]:
     """The DTensor kinds, each first once (a rotation: the kind that comes first decides what some scalers
     reduce found_inf over); then every kind with the plain tensor first and last (some scalers refuse a
-    mix of DTensor and plain grads, which would hide the rotations' findings if every order had one)."""
+    mix of DTensor and plain grads, which would hide what the rotations show if every order had one)."""
     dtensors = [k for k, (dims, _, _) in MESHES[mesh]["kinds"].items() if dims is not None]
     rotations = [tuple(dtensors[i:] + dtensors[:i]) for i in range(len(dtensors))]
     return rotations + [("plain", *dtensors), (*dtensors, "plain")]
