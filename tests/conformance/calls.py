@@ -106,13 +106,12 @@ class Rank:
 
     def expected_grad(self, i: int) -> torch.Tensor:
         """Param i's grad once unscaled exactly (on CPU), from the scale of this iteration."""
-        c = self.pb.targets[i].cpu()
-        return unscaled(scaled_grad(c, float(self.scaler.get_scale()), self.accumulated[i]), float(self.scaler.get_scale()))
+        scale = float(self.scaler.get_scale())
+        return unscaled(scaled_grad(self.pb.targets[i].cpu(), scale, self.accumulated[i]), scale)
 
     def seen(self) -> dict:
         """After every call: only update() (or a load) may change them."""
         return dict(scale=float(self.scaler.get_scale()), tracker=int(self.scaler.state_dict()["_growth_tracker"]))
-
 
 
 class ProblemModel(ScalerModel):
@@ -327,7 +326,7 @@ def from_data(data: dict):
 def advance_groups(models: list, call) -> list[dict]:
     """One call on each group's model (an overflow belongs to the group of its rank); -> each group's facts."""
     out = []
-    for g, model in enumerate(models):
+    for model in models:
         mine = call
         if isinstance(call, Backward) and call.bad and model.group_ranks and call.bad.rank not in model.group_ranks:
             mine = dataclasses.replace(call, bad=None)

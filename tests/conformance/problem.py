@@ -65,7 +65,8 @@ def deterministic_fill():
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-def _device(kind: str) -> torch.device:
+def device_of(kind: str) -> torch.device:
+    """A placement's device kind ("cpu" or "cuda") as this process's torch.device."""
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
 
@@ -82,12 +83,12 @@ class Problem:
         spec = PLACEMENTS[placement]
         dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * n_params
         self.placement, self.dtype = placement, DTYPES[dtypes[0]]
-        self.loss_device = _device(spec["loss"])
+        self.loss_device = device_of(spec["loss"])
         self.scaler_device = spec["scaler"]
         g = torch.Generator().manual_seed(1234 + seed_offset)
         self.params, self.targets = [], []
         for i in range(n_params):
-            dev, dt = _device(spec["params"][i % len(spec["params"])]), DTYPES[dtypes[i]]
+            dev, dt = device_of(spec["params"][i % len(spec["params"])]), DTYPES[dtypes[i]]
             n = numel[i] if isinstance(numel, list) else numel
             p = (torch.randint(-8, 8, (n,), generator=g).to(dt) / 8).to(dev)
             c = (torch.randint(-4, 4, (n,), generator=g).to(dt) / 8).to(dev)

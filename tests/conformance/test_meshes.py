@@ -24,19 +24,20 @@ REPORT_COLUMN = "meshes"  # the compatibility report's column for these checks (
 
 WORLD_SIZE = 4
 INIT_SCALE, BACKOFF, LR = 256.0, 0.5, 0.5
+R = None  # Replicate() along that mesh dim; an int d: Shard(d)
 # mesh -> its shape and dim names, and the param kinds it holds: kind -> (mesh dims it lives on (None: a
-# plain tensor), placements, global shape). On 2D: a TP-sharded weight under FSDP, a TP-replicated norm
-# under FSDP, an expert's weight on the tp sub-mesh only, a plain tensor of each rank's own.
+# plain tensor), its placement along each of them, global shape). On 2D: a TP-sharded weight under FSDP, a
+# TP-replicated norm under FSDP, an expert's weight on the tp sub-mesh only, a plain tensor of each rank's own.
 MESHES = {
     "1d": dict(shape=(4,), names=("dp",), kinds={
-        "sharded": (("dp",), ("Shard(0)",), (8,)),
-        "replicated": (("dp",), ("Replicate()",), (2,)),
+        "sharded": (("dp",), (0,), (8,)),
+        "replicated": (("dp",), (R,), (2,)),
         "plain": (None, (), (2,)),
     }),
     "2d": dict(shape=(2, 2), names=("dp", "tp"), kinds={
-        "sharded": (("dp", "tp"), ("Shard(0)", "Shard(1)"), (4, 4)),
-        "replicated": (("dp", "tp"), ("Shard(0)", "Replicate()"), (4,)),
-        "expert": (("tp",), ("Shard(0)",), (4,)),
+        "sharded": (("dp", "tp"), (0, 1), (4, 4)),
+        "replicated": (("dp", "tp"), (0, R), (4,)),
+        "expert": (("tp",), (0,), (4,)),
         "plain": (None, (), (2,)),
     }),
 }
@@ -53,17 +54,17 @@ def _orders(mesh: str) -> list[tuple]:
     return rotations + [("plain", *dtensors), (*dtensors, "plain")]
 
 
-def _placement(text: str):
+def _placement(dim: int | None):
     from torch.distributed.tensor import Replicate, Shard
 
-    return eval(text, {"Shard": Shard, "Replicate": Replicate})  # the table's own two spellings
+    return Replicate() if dim is R else Shard(dim)
 
 
 def _local_shape(shape, placements, mesh_sizes) -> tuple:
     out = list(shape)
-    for text, size in zip(placements, mesh_sizes):
-        if text.startswith("Shard"):
-            out[int(text[6:-1])] //= size
+    for dim, size in zip(placements, mesh_sizes):
+        if dim is not R:
+            out[dim] //= size
     return tuple(out)
 
 
@@ -97,7 +98,7 @@ def _mesh_step(spec: str, mesh_name: str, order: tuple, bad: tuple | None) -> di
         p = (torch.randint(-8, 8, local, generator=g).float() / 8)
         c = (torch.randint(-4, 4, local, generator=g).float() / 8)
         if dims is not None:
-            p = DTensor.from_local(p, sub, [_placement(t) for t in placements], run_check=False)
+            p = DTensor.from_local(p, sub, [_placement(d) for d in placements], run_check=False)
         params.append(torch.nn.Parameter(p))
         targets.append(c)
     s = make_scaler(spec, device="cpu", init_scale=INIT_SCALE, backoff_factor=BACKOFF)

@@ -5,12 +5,12 @@ growth and backoff factors, and new scales, that need not be powers of two; inte
 optimizers, each param's dtype (fp32, fp16, bf16 in one optimizer; an fp16 grad overflows in backward at
 a high scale), params stored transposed (strided grads), a param whose shard is empty on rank 1, and the
 process groups: WORLD of 2 ranks, or 4 ranks in two halves with each scaler given its half (one model
-per group: an overflow in one half must not touch the other). Then a sequence of rules: a backward (reaching every param or only some, so grads appear
-late and vanish; clean, or inf / -inf / NaN in the first or last element of one grad on one rank; a
-second backward accumulates), an explicit unscale_ of either optimizer, a step of either, an update (or
-update(new_scale)), a checkpoint round trip into a scaler built with the defaults, a checkpoint kept in
-memory and loaded later into the running scaler or a fresh one. The oracle is problem.ScalerModel, with
-what it must know of the problem (calls.ProblemModel).
+per group: an overflow in one half must not touch the other). Then a sequence of rules: a backward
+(reaching every param or only some, so grads appear late and vanish; clean, or inf / -inf / NaN in the
+first or last element of one grad on one rank; a second backward accumulates), an explicit unscale_ of
+either optimizer, a step of either, an update (or update(new_scale)), a checkpoint round trip into a
+scaler built with the defaults, a checkpoint kept in memory and loaded later into the running scaler or
+a fresh one. The oracle is problem.ScalerModel, with what it must know of the problem (calls.ProblemModel).
 The whole sequence is one task on the rank pool; each rank reports, after every call, what a user
 can see, and the controller checks it against the model, call by call:
   - after every call: scale and growth tracker (state_dict) equal its group's model's, on every rank;

@@ -454,13 +454,25 @@ class ChecksFirstBlockOfEachGrad(DeviceSplitGradScaler):
             torch._foreach_mul_(tails, inv_scale)
 
 
+class _KnowsWhenStepping(DeviceSplitGradScaler):
+    """`_stepping` is True inside step(): tells step()'s own unscale_ from the clipping path's explicit one."""
+
+    _stepping = False
+
+    def step(self, optimizer, *args, **kwargs):
+        self._stepping = True
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            self._stepping = False
+
+
 # Caught by the sequence test (test_sequences.py) only: each needs calls in an order no fixed schedule has.
 @mutant("unscale_marks_every_optimizer", caught_by=[SEQUENCES])
-class UnscaleMarksEveryOptimizer(DeviceSplitGradScaler):
+class UnscaleMarksEveryOptimizer(_KnowsWhenStepping):
     """An explicit unscale_ (the clipping path) of one optimizer counts for all (one flag per scaler, not per
     optimizer): another optimizer's step() then applies its grads still scaled, trusting the first's found_inf."""
 
-    _stepping = False
     _unscaled = None
 
     def unscale_(self, optimizer):
@@ -474,11 +486,7 @@ class UnscaleMarksEveryOptimizer(DeviceSplitGradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if self._unscaled is not None and state["stage"] is OptState.READY:
             state.update(stage=OptState.UNSCALED, found_inf=self._unscaled["found_inf"])
-        self._stepping = True
-        try:
-            return super().step(optimizer, *args, **kwargs)
-        finally:
-            self._stepping = False
+        return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale=None):
         self._unscaled = None
@@ -640,27 +648,12 @@ class StateDictIsLive(DeviceSplitGradScaler):
 
 
 @mutant("explicit_unscale_agrees_over_world", caught_by=[SEQUENCES])
-class ExplicitUnscaleAgreesOverWorld(DeviceSplitGradScaler):
-    """The clipping path's unscale_ agrees over WORLD, not the given process_group (step() alone uses the group):
-    under HSDP's shard groups one group's overflow skips the other group's step after a clip."""
+class ExplicitUnscaleAgreesOverWorld(_KnowsWhenStepping, WorldGroup):
+    """The clipping path's unscale_ agrees over WORLD (world_group's defect), not the given process_group; step()
+    alone uses the group: under HSDP's shard groups one group's overflow skips the other group's step after a clip."""
 
-    _stepping = False
-
-    def step(self, optimizer, *args, **kwargs):
-        self._stepping = True
-        try:
-            return super().step(optimizer, *args, **kwargs)
-        finally:
-            self._stepping = False
-
-    def unscale_(self, optimizer):
-        if self._stepping:
-            return super().unscale_(optimizer)
-        group, self.process_group = self.process_group, None
-        try:
-            return super().unscale_(optimizer)
-        finally:
-            self.process_group = group
+    def _agree(self, found):
+        return DeviceSplitGradScaler._agree(self, found) if self._stepping else super()._agree(found)
 
 
 @mutant("unscales_contiguous_copies", caught_by=[SEQUENCES])

@@ -10,12 +10,20 @@ from tests.matrix import implementations
 from tests.planted.registry import broken_wrapper
 
 
-def _sum_hook(state, grad, output=None):
-    """An FSDP1 comm hook that reduces by SUM and never divides by the world size."""
-    if output is None:  # NO_SHARD strategies pass only grad
-        dist.all_reduce(grad)
-    else:
-        dist.reduce_scatter_tensor(output, grad)
+def _comm_hook(average=True, guard=None):
+    """An FSDP1 comm hook: all-reduce (NO_SHARD strategies pass only grad) or reduce-scatter by SUM, then
+    divide by the world size if `average` (as FSDP does), then `guard` the reduced grad in place if given."""
+    def hook(state, grad, output=None):
+        reduced = grad if output is None else output
+        if output is None:
+            dist.all_reduce(grad)
+        else:
+            dist.reduce_scatter_tensor(output, grad)
+        if average:
+            reduced.div_(dist.get_world_size())
+        if guard is not None:
+            guard(reduced)
+    return hook
 
 
 def _fsdp1_with_one_defect(wrapper):
@@ -30,24 +38,8 @@ def _fsdp1_with_one_defect(wrapper):
 def fsdp1_sums_grads(module, settings):
     """FSDP1 whose gradient reduction forgets the 1/world_size average (a custom comm hook)."""
     model = implementations.fsdp1(module, settings)
-    model.register_comm_hook(dist.group.WORLD, _sum_hook)
+    model.register_comm_hook(dist.group.WORLD, _comm_hook(average=False))  # forgets the 1/world_size
     return model
-
-
-def _guarded_hook(guard):
-    """An FSDP1 comm hook that reduces as FSDP does (average over the ranks), then `guard`s the reduced grad in
-    place: the "numerical safety" some wrappers add, which hides an overflow from the scaler."""
-    def hook(state, grad, output=None):
-        world = dist.get_world_size()
-        if output is None:
-            dist.all_reduce(grad)
-            grad.div_(world)
-            guard(grad)
-        else:
-            dist.reduce_scatter_tensor(output, grad)
-            output.div_(world)
-            guard(output)
-    return hook
 
 
 @broken_wrapper("fsdp1_zeros_nan_grads")  # a real overflow's NaN, zeroed after the reduction, never reaches the scaler
@@ -55,7 +47,7 @@ def _guarded_hook(guard):
 def fsdp1_zeros_nan_grads(module, settings):
     """FSDP1 whose comm hook zeros NaNs in the reduced grads (grad[grad.isnan()] = 0)."""
     model = implementations.fsdp1(module, settings)
-    model.register_comm_hook(dist.group.WORLD, _guarded_hook(lambda g: g.masked_fill_(g.isnan(), 0.0)))
+    model.register_comm_hook(dist.group.WORLD, _comm_hook(guard=lambda g: g.masked_fill_(g.isnan(), 0.0)))
     return model
 
 
@@ -64,5 +56,5 @@ def fsdp1_zeros_nan_grads(module, settings):
 def fsdp1_nan_to_num_grads(module, settings):
     """FSDP1 whose comm hook applies torch.nan_to_num_ to the reduced grads (zeros NaNs, clamps infs)."""
     model = implementations.fsdp1(module, settings)
-    model.register_comm_hook(dist.group.WORLD, _guarded_hook(torch.nan_to_num_))
+    model.register_comm_hook(dist.group.WORLD, _comm_hook(guard=torch.nan_to_num_))
     return model
