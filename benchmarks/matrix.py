@@ -5,8 +5,10 @@
 Runs `pytest -m matrix tests/matrix/test_matrix.py` in a child process (2 cores: `-n auto`) and counts,
 from its report records (--report-json), the cells that ran (passed, failed or xfailed; skips cost
 nothing and are not counted); then the same for the wide model's cells alone (`-k wide`, the model
-axis). Last lines: cells_per_minute=<cells run / wall minutes>, then wide_cells_per_minute=<the same,
-wide cells only> (a wide cell trains 310 params and a 281600-element weight; a small one 10 params).
+axis), and for the cells on a 2x2 mesh alone (`-k "hsdp or tp"`, the mesh axis). Last lines:
+cells_per_minute=<cells run / wall minutes>, then wide_cells_per_minute=<the same, wide cells only> (a wide
+cell trains 310 params and a 281600-element weight; a small one 10 params), then mesh_cells_per_minute=<the
+same, mesh cells only> (world size 4, with DeviceMesh sub-groups; TP cells redistribute activations).
 """
 import argparse
 import collections
@@ -45,7 +47,8 @@ def main():
     ap.add_argument("-k", default=None, help="select cells, as pytest -k")
     args, extra = ap.parse_known_args()
     rates = {}
-    for name, k in (("cells", args.k), ("wide_cells", f"({args.k}) and wide" if args.k else "wide")):
+    only = {"wide_cells": "wide", "mesh_cells": "(hsdp or tp)"}
+    for name, k in (("cells", args.k), *((n, f"({args.k}) and {sel}" if args.k else sel) for n, sel in only.items())):
         counts, wall = run(args.n, k, extra)
         print(f"-- {name} (-k {k}):")
         for impl in sorted({i for i, _ in counts}):

@@ -223,16 +223,19 @@ KNOWN_BUGS = [
          "RuntimeError: ... got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor",
          when=lambda params, cuda: "plain" in params.get("order", ()),
          title="DTensor and plain tensor grads in one optimizer: the unscale kernel call raises"),
-    _bug("dtensor-found-inf-first-grad-placements", {"torch_amp"}, {MESH},
+    _bug("dtensor-found-inf-first-grad-placements", {"torch_amp"}, {MESH, MATRIX},
          "torch.amp.GradScaler relies on DTensor to agree on found_inf, and DTensor's handler for "
          "torch._amp_foreach_non_finite_check_and_unscale_ (found_inf_reduce_handler) reduces found_inf only "
          "along the mesh dims where the FIRST grad of the list is sharded, over that grad's mesh: with a "
          "TP-replicated param (a norm or bias: the no-decay group put first) or an expert's param on a sub-mesh "
          "first in the optimizer, an inf anywhere else is seen by part of the mesh only, which skips while the "
-         "rest steps",
-         when=lambda params, cuda: (params.get("bad") is not None and "plain" not in params.get("order", ())
+         "rest steps. Under FSDP2 HSDP every grad is replicated along the replicate dim, so an inf in one "
+         "replica's grads makes that replica alone skip and back off",
+         when=lambda params, cuda: (where(impl="fsdp2", mesh="hsdp")(params, cuda) if "cell" in params else
+                                    params.get("bad") is not None and "plain" not in params.get("order", ())
                                     and params["order"][0] in ("replicated", "expert")),
-         title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only"),
+         title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only (FSDP2 HSDP: "
+               "one replica)"),
     # ---- the FSDP-vs-DDP matrix (tests/matrix)
     _bug("torch-amp-not-shard-aware-fsdp", {"torch_amp"}, {MATRIX},
          "torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1 (and fairscale) an inf in one "
@@ -276,8 +279,12 @@ KNOWN_BUGS = [
     _bug("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}, {MATRIX},
          "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "
          "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
-         "ShardedGradScaler.unscale_, so under FSDP1 an inf in one rank's shard makes only that rank skip",
-         when=where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale")),
+         "ShardedGradScaler.unscale_, so under FSDP1 an inf in one rank's shard makes only that rank skip. FSDP2 "
+         "on one flat mesh hides it (DTensor's handler reduces found_inf over the mesh); under FSDP2 HSDP that "
+         "handler reduces along the shard dim only (dtensor-found-inf-first-grad-placements), so one replica skips",
+         when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2,
+                                          impl=("fsdp1", "fairscale"))(params, cuda)
+                                    or where(optimizer="adamw", clip="noclip", impl="fsdp2", mesh="hsdp")(params, cuda)),
          title="fused AdamW: found_inf never agreed across ranks"),
     _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX, FUSED},
          "fairscale ShardedGradScaler.step passes grad_scaler=self to an optimizer that supports AMP scaling "

@@ -25,6 +25,7 @@ import torch
 
 from tests.conformance.problem import (INF_VALUES, Problem, ScalerModel, build_scaler, grad_overflows, scaled_grad,
                                        unscaled)
+from tests.harness import cached_group
 
 N_PARAMS = 4  # one optimizer: all four; two: params 0-1 and 2-3
 GROUPS = {"world": [[0, 1]], "halves": [[0, 1], [2, 3]]}  # config["groups"] -> the ranks of each process group
@@ -60,21 +61,12 @@ def world_size(config: dict) -> int:
     return sum(len(ranks) for ranks in groups_of(config))
 
 
-_GROUPS: dict = {}  # ranks -> their process group, in this rank process
-
-
 def process_groups(config: dict) -> list:
-    """The config's process groups ([] for WORLD), made once per rank process: new_group is a collective over
-    WORLD that every rank must call in the same order, and slow enough (a store barrier, new connections)
-    that making them afresh for every sequence could outlast a task's time bound on a loaded machine."""
-    import torch.distributed as dist
-
+    """The config's process groups ([] for WORLD), made once per rank process (harness.cached_group): every
+    rank makes every group, in the table's order."""
     if len(groups_of(config)) == 1:
         return []
-    for ranks in groups_of(config):  # every rank, every group, in the table's order
-        if tuple(ranks) not in _GROUPS:
-            _GROUPS[tuple(ranks)] = dist.new_group(ranks)
-    return [_GROUPS[tuple(ranks)] for ranks in groups_of(config)]
+    return [cached_group(ranks) for ranks in groups_of(config)]
 
 
 def holds(config: dict, rank: int, param: int) -> bool:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conformance.problem import placement_params, run_at
+from tests.harness import cached_mesh
 from tests.scalers import make_scaler
 
 pytestmark = pytest.mark.conformance
@@ -68,17 +69,9 @@ def _local_shape(shape, placements, mesh_sizes) -> tuple:
     return tuple(out)
 
 
-_MESHES: dict = {}  # mesh name -> its DeviceMesh, in this rank process
-
-
 def device_mesh(name: str):
-    """The named mesh, made once per rank process: making one is a collective (new process groups), slow
-    enough that making it for every check could outlast a task's time bound on a loaded machine."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if name not in _MESHES:
-        _MESHES[name] = init_device_mesh("cpu", MESHES[name]["shape"], mesh_dim_names=MESHES[name]["names"])
-    return _MESHES[name]
+    """The named mesh (made once per rank process: harness.cached_mesh)."""
+    return cached_mesh("cpu", MESHES[name]["shape"], MESHES[name]["names"])
 
 
 def _mesh_step(spec: str, mesh_name: str, order: tuple, bad: tuple | None) -> dict:

@@ -6,6 +6,8 @@ from tests.harness.ranks import (  # noqa: F401
     RankFailure,
     RankHung,
     Harness,
+    cached_group,
+    cached_mesh,
     RankRaised,
     install,
     missing_requirement,

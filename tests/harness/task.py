@@ -31,6 +31,32 @@ def set_rank_device(device) -> None:
     _device = device
 
 
+# Process groups and device meshes, made once per rank process and kept for its life. Making one is a
+# collective over WORLD that every rank must call in the same order, and slow enough (a store barrier, new
+# connections) that making them afresh for every check could outlast a task's time bound on a loaded machine.
+_GROUPS: dict = {}  # ranks -> their process group
+_MESHES: dict = {}  # (device type, shape, dim names) -> the DeviceMesh
+
+
+def cached_group(ranks):
+    """The process group of these ranks (call it on every rank, for every group, in the same order)."""
+    import torch.distributed as dist
+
+    if tuple(ranks) not in _GROUPS:
+        _GROUPS[tuple(ranks)] = dist.new_group(list(ranks))
+    return _GROUPS[tuple(ranks)]
+
+
+def cached_mesh(device_type: str, shape: tuple, names: tuple):
+    """The DeviceMesh over the whole world with this shape and these dim names (call it on every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, tuple(shape), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    return _MESHES[key]
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """Parent -> each rank: run pickle.loads(payload) = (fn, args, kwargs) after resetting every RNG to `seed`."""

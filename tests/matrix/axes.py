@@ -5,9 +5,11 @@ generated whole, and multiplied by the scalers under test in conftest.py. The PA
 covered in pairs: each cell of the full product gets one choice of them, picked greedily so that
 every pair of values (of two pairwise axes, or of a pairwise and a full axis) occurs in some cell.
 The whole product (x16) would cost 16x the run time for interactions of three or more settings.
-The MODEL axis is covered pairwise too, in a second pass over those cells: the cheap model everywhere,
-the wide one in as few cells as cover each of its pairs, so the other axes' choices (and the cells and
-ids that existed before the axis) stay as they were.
+The MODEL and GROUPS axes are covered pairwise too, in later passes over those cells: the default value
+everywhere, each other value in as few cells as cover each of its pairs, so the other axes' choices (and the
+cells and ids that existed before the axis) stay as they were.
+The MESH axis adds cells: its first value (1d) is every cell above; each other mesh gets its own cells, at
+world size 4 (a 2x2 mesh), pairwise over every axis that varies there (mesh_cells).
 """
 from __future__ import annotations
 
@@ -38,18 +40,33 @@ AXES = {
     "model": ("small", "wide"),                # small: 4 blocks, 10 params of up to 143 elements; wide: 314 params
                                                # (150 side by side) and one of 281600 elements, more than four
                                                # 65536-element chunks of CUDA's multi-tensor kernels (cell.py)
+    "groups": ("halves", "decayfirst", "nodecayfirst"),  # the optimizer's two param groups: the first and the
+                                               # second half of the params; or weights and biases (decay and
+                                               # no decay: norms and biases, which TP replicates), either first
+    "mesh": ("1d", "hsdp", "tp"),              # 1d: one flat group over the world; hsdp: a 2x2 (replicate,
+                                               # shard) mesh, FSDP1 HYBRID_SHARD / FSDP2 on the 2D mesh; tp: a
+                                               # 2x2 (dp, tp) mesh, a Colwise/Rowwise TP plan on tp, then FSDP2
+                                               # over dp (cell.TP_PLAN)
 }
 FULL = ("impl", "offload", "precision", "wrapping", "world_size")
 PAIRWISE = ("params", "reshard", "optimizer", "grads", "clip")
 MODEL = "model"  # pairwise, in a second pass; its first value is the default and is left out of ids
+GROUPS = "groups"  # pairwise, in a third pass; likewise
+MESH = "mesh"  # extra cells (mesh_cells); its first value is every other cell's, left out of ids
+MESH_WORLD_SIZE = 4  # a 2x2 mesh: runs on CPU and on one GPU (8: 2x4 / 4x2 would need 8 GPUs)
+LATER = (MODEL, GROUPS)  # the axes of the later passes, in order
 ONLY = {  # (implementation, axis) -> the values it has; others are invalid
     ("fsdp2", "params"): ("orig",),
     ("fsdp2", "grads"): ("upcast",),      # no keep_low_precision_grads in FSDP2
     ("fairscale", "grads"): ("upcast",),  # no such option (its no-offload mixed precision keeps them low anyway)
+    ("fairscale", "mesh"): ("1d",),       # no hybrid sharding, no DTensor
+    ("fsdp1", "mesh"): ("1d", "hsdp"),    # FSDP1 does not compose with DTensor tensor parallelism here
 }
 EXCLUDED = {  # pairs of values no cell has: {(axis, value), (axis, value)} -> why
     frozenset({("grads", "keeplow"), ("precision", "fp32")}): "fp32 grads are already full precision",
     frozenset({("grads", "keeplow"), ("optimizer", "adamw")}): "fused AdamW needs grads in its params' dtype",
+    frozenset({("params", "flat"), ("groups", "decayfirst")}): "a flat param holds a unit's weights and biases in one",
+    frozenset({("params", "flat"), ("groups", "nodecayfirst")}): "a flat param holds a unit's weights and biases in one",
 }
 
 
@@ -85,11 +102,14 @@ class Cell:
     grads: str
     clip: str
     model: str = AXES[MODEL][0]
+    groups: str = AXES[GROUPS][0]
+    mesh: str = AXES[MESH][0]
 
     @property
     def id(self) -> str:
         return "-".join(f"ws{v}" if f.name == "world_size" else spec_id(str(v))
-                        for f, v in zip(fields(self), astuple(self)) if not (f.name == MODEL and v == AXES[MODEL][0]))
+                        for f, v in zip(fields(self), astuple(self))
+                        if not (f.name in (MODEL, GROUPS, MESH) and v == AXES[f.name][0]))
 
     def __str__(self) -> str:
         return self.id
@@ -100,6 +120,11 @@ def _allowed(impl: str, axis: str) -> tuple:
 
 
 def cells(impls=AXES["impl"]) -> list[Cell]:
+    """The 1d cells (flat_cells), then each implementation's cells on every other mesh it has (mesh_cells)."""
+    return flat_cells(impls) + [c for impl in impls for c in mesh_cells(impl)]
+
+
+def flat_cells(impls=AXES["impl"]) -> list[Cell]:
     """The full product of FULL axes (over the given implementations), pairwise over PAIRWISE.
 
     Each implementation covers every pair on its own (its cells may be the only ones a machine can
@@ -119,41 +144,92 @@ def cells(impls=AXES["impl"]) -> list[Cell]:
             chosen = {**base, **dict(zip(PAIRWISE, best))}
             uncovered -= _pairs(chosen)
             out.append(chosen)
-    return [Cell(**config) for config in _with_models(out)]
+    for axis in LATER:
+        out = _later_pass(out, axis)
+    return [Cell(**config) for config in out]
 
 
-def _with_models(configs: list[dict]) -> list[dict]:
-    """Each config gets the default model, except the fewest (greedy) that cover every (wide, value) pair."""
-    configs = [{**c, MODEL: AXES[MODEL][0]} for c in configs]
-    for model in AXES[MODEL][1:]:
+def _later_pass(configs: list[dict], axis: str) -> list[dict]:
+    """Each config gets the axis's default, except the fewest (greedy) that cover every (value, other) pair of
+    its other values. A config is changed only once, and only while every pair it covers with the default stays
+    covered by another config."""
+    done = LATER[:LATER.index(axis)]
+    default = AXES[axis][0]
+    configs = [{**c, axis: default} for c in configs]
+    for value in AXES[axis][1:]:
         for impl in {c["impl"] for c in configs}:
-            mine = [c for c in configs if c["impl"] == impl and valid({**c, MODEL: model})]
-            uncovered = {pair for pair in _valid_pairs(impl) if (MODEL, model) in pair}
+            mine = [c for c in configs if c["impl"] == impl]
+            with_default = collections.Counter(p for c in mine for p in _pairs(c) if (axis, default) in p)
+            uncovered = {pair for pair in _valid_pairs(impl, done + (axis,)) if (axis, value) in pair}
             while uncovered:
+                free = [c for c in mine if c[axis] == default and valid({**c, axis: value})
+                        and all(with_default[p] > 1 for p in _pairs(c) if (axis, default) in p)]
                 # among equally good cells the smallest world size: more machines can run it
-                best = max(mine, key=lambda c: (len(_pairs({**c, MODEL: model}) & uncovered), -c["world_size"]))
-                uncovered -= _pairs({**best, MODEL: model})
-                best[MODEL] = model
+                best = max(free, key=lambda c: (len(_pairs({**c, axis: value}) & uncovered), -c["world_size"]),
+                           default=None)
+                if best is None or not _pairs({**best, axis: value}) & uncovered:
+                    raise AssertionError(f"no {impl} cell can take {axis}={value} for the pairs {sorted(uncovered)}")
+                with_default.subtract(p for p in _pairs(best) if (axis, default) in p)
+                uncovered -= _pairs({**best, axis: value})
+                best[axis] = value
     return configs
 
 
-def _valid_pairs(impl: str) -> set:
-    axes = FULL + PAIRWISE + (MODEL,)
+def mesh_cells(impl: str) -> list[Cell]:
+    """The implementation's cells on each mesh but 1d: world size MESH_WORLD_SIZE, the small model, and every
+    valid pair of values of the other axes in some cell (greedy: the valid config covering most new pairs)."""
+    varied = tuple(a for a in FULL + PAIRWISE + (GROUPS,) if a not in ("impl", "world_size"))
+    fixed = dict(impl=impl, world_size=MESH_WORLD_SIZE, model=AXES[MODEL][0])
+    out = []
+    for mesh in _allowed(impl, MESH)[1:]:
+        options = [{**fixed, MESH: mesh, **dict(zip(varied, values))}
+                   for values in itertools.product(*(_allowed(impl, a) for a in varied))]
+        options = [c for c in options if valid(c)]
+        uncovered = set().union(*(_mesh_pairs(c, varied) for c in options))
+        while uncovered:
+            best = max(options, key=lambda c: len(_mesh_pairs(c, varied) & uncovered))
+            uncovered -= _mesh_pairs(best, varied)
+            out.append(Cell(**best))
+    return out
+
+
+def _mesh_pairs(config: dict, varied: tuple) -> set:
+    return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(varied, 2)}
+
+
+def _valid_pairs(impl: str, later=LATER) -> set:
+    axes = FULL + PAIRWISE + later
     values = {a: (impl,) if a == "impl" else _allowed(impl, a) for a in axes}
-    return {((a, va), (b, vb)) for a, b in itertools.combinations(axes, 2) if not (a in FULL and b in FULL)
+    return {((a, va), (b, vb)) for a, b in itertools.combinations(axes, 2) if _paired(a, b)
             for va in values[a] for vb in values[b] if frozenset({(a, va), (b, vb)}) not in EXCLUDED}
 
 
+def _paired(a: str, b: str) -> bool:
+    """Two axes whose pairs of values must meet: not two FULL axes (their product is whole), and not two LATER
+    axes (each later axis changes few cells; the wide model's cells cannot take every param-group order)."""
+    return not (a in FULL and b in FULL) and not (a in LATER and b in LATER)
+
+
 def _pairs(config: dict) -> set:
-    axes = FULL + PAIRWISE + ((MODEL,) if MODEL in config else ())
-    return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(axes, 2)
-            if not (a in FULL and b in FULL)}
+    axes = FULL + PAIRWISE + tuple(a for a in LATER if a in config)
+    return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(axes, 2) if _paired(a, b)}
 
 
 def missing_pairs(generated: list[Cell], impl: str) -> set:
-    """Valid value pairs that no cell of this implementation covers (for the coverage test)."""
-    have = set().union(*(_pairs(vars(c)) for c in generated if c.impl == impl))
+    """Valid value pairs that no 1d cell of this implementation covers (for the coverage test)."""
+    have = set().union(*(_pairs(vars(c)) for c in generated if c.impl == impl and c.mesh == AXES[MESH][0]))
     return _valid_pairs(impl) - have
+
+
+def missing_mesh_pairs(generated: list[Cell], impl: str, mesh: str) -> set:
+    """Valid value pairs of the varied axes that no cell of this implementation on this mesh covers."""
+    varied = tuple(a for a in FULL + PAIRWISE + (GROUPS,) if a not in ("impl", "world_size"))
+    fixed = dict(impl=impl, world_size=MESH_WORLD_SIZE, model=AXES[MODEL][0], mesh=mesh)
+    valid_pairs = set().union(*(_mesh_pairs({**fixed, **dict(zip(varied, values))}, varied)
+                                for values in itertools.product(*(_allowed(impl, a) for a in varied))
+                                if valid({**fixed, **dict(zip(varied, values))})))
+    have = set().union(*(_mesh_pairs(vars(c), varied) for c in generated if c.impl == impl and c.mesh == mesh))
+    return valid_pairs - have
 
 
 def skip_reason(cell: Cell, n_gpus: int) -> str | None:
@@ -161,7 +237,11 @@ def skip_reason(cell: Cell, n_gpus: int) -> str | None:
     then what the cell's implementation declares it needs (implementations.py)."""
     if cell.world_size == 8 and n_gpus < 8:
         return f"world size 8 runs only on a host with 8 GPUs (one per rank, NCCL); {n_gpus} visible"
-    return implementations.record(cell.impl).needs(cell, n_gpus)
+    impl = implementations.record(cell.impl)
+    if cell.mesh not in impl.meshes:
+        return (f"{cell.impl} does not declare the {cell.mesh} mesh (it declares {', '.join(impl.meshes)}: "
+                f"implementations.declare(meshes=...))")
+    return impl.needs(cell, n_gpus)
 
 
 def cell_device_mode(cell: Cell, n_gpus: int) -> str:

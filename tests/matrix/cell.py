@@ -22,6 +22,11 @@ The schedule (STEPS steps) makes the scaler do everything it is for, in every ce
 An injected value reaches every rank of the reference (DDP grads are replicated). The optimizer
 has two param groups wherever there are two params (same hyperparameters, so FSDP's flat params
 need not split like DDP's): the injected grads sit in different groups.
+
+On a mesh (axes.AXES["mesh"]) the world is a 2x2 DeviceMesh. hsdp: every rank is data parallel, as
+on 1d. tp: the ranks of one dp group hold TP shards of one replica and get the same micro-batch, so
+the reference is DDP over the dp group; the injections go into a TP-sharded grad on the last rank
+and a TP-replicated grad (a Rowwise bias) on rank 0 (TP_INJECTIONS).
 """
 from __future__ import annotations
 
@@ -29,13 +34,14 @@ import copy
 import io
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.harness import rank_device
+from tests.harness import cached_mesh, rank_device
 from tests.matrix.implementations import Settings, record
 from tests.scalers import make_scaler
 
@@ -45,9 +51,24 @@ OVERFLOW_STEP = 7
 RESUME_AFTER = 8  # one clean step after the backoff at step 7: the tracker is 1
 INPUT_INF_STEP = 12  # after the growth at step 10: a real overflow at a scale of 2**12
 SCALER_ARGS = dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.5, growth_interval=3)
-# step -> (rank, grad, value): an overflow as FSDP leaves it, in one element of one rank's local
-# shard; "first"/"last" rank and grad. Not at OVERFLOW_STEP in fp16 cells: the data overflows there.
-INJECTIONS = {INJECT_STEP: ("last", "last", math.inf), OVERFLOW_STEP: ("first", "first", -math.inf)}
+
+
+class Injection(NamedTuple):
+    """An overflow as FSDP leaves it, in one element of one rank's local shard of one grad."""
+    rank: str  # "first" | "last" rank of the world
+    grad: str  # "first" | "last" grad (of those that match `tp`) in the model's order
+    value: float
+    tp: str | None = None  # only grads "sharded" | "replicated" along the mesh's tp dim
+
+
+# step -> the injection there. Not at OVERFLOW_STEP in fp16 cells: the data overflows there.
+INJECTIONS = {INJECT_STEP: Injection("last", "last", math.inf), OVERFLOW_STEP: Injection("first", "first", -math.inf)}
+TP_INJECTIONS = {INJECT_STEP: Injection("last", "last", math.inf, tp="sharded"),
+                 OVERFLOW_STEP: Injection("first", "first", -math.inf, tp="replicated")}
+# mesh -> its shape and dim names (1d has none: FSDP shards over the world's one group)
+MESHES = {"hsdp": ((2, 2), ("replicate", "shard")), "tp": ((2, 2), ("dp", "tp"))}
+# the tp cells' plan on build_model(even=True): two Colwise/Rowwise pairs; the Rowwise biases are TP-replicated
+TP_PLAN = {"0.lin": "colwise", "1.lin": "rowwise", "1.inner.lin": "colwise", "2": "rowwise"}
 GLOBAL_BATCH = 16  # split evenly over 1, 2, 4 or 8 ranks
 LR = {"sgd": 0.05, "adamw": 0.01}
 MOMENTUM = 0.9
@@ -79,8 +100,10 @@ class Fan(nn.Module):
         return torch.stack([h(x) for h in self.heads]).mean(0)
 
 
-def build_model(kind: str = "small") -> nn.Module:
-    """small: uneven shapes (13 and 3 rows shard unevenly; the head's 3 rows leave rank 3 of 4 empty).
+def build_model(kind: str = "small", even: bool = False) -> nn.Module:
+    """small: uneven shapes (13 and 3 rows shard unevenly; the head's 3 rows leave rank 3 of 4 empty). even (tp
+    cells): its widths rounded to even ones, which TP_PLAN splits evenly over tp (DTensor infers a sharded
+    activation's global shape from its local one, so uneven TP shards of activations are not an option).
     wide (the model axis): what a real model hands the scaler, hundreds of grads (150 linears side by side:
     310 params) and a weight of 1100 x 256 = 281600 elements, more than four 65536-element chunks of CUDA's
     multi-tensor kernels (more than one in each rank's shard at world size 4)."""
@@ -88,7 +111,20 @@ def build_model(kind: str = "small") -> nn.Module:
     if kind == "wide":
         return nn.Sequential(Block(7, 256), Block(256, 1100, inner=Block(1100, 11)), Block(11, 11, inner=Fan(11, 150)),
                              nn.Linear(11, 3))
+    if even:
+        return nn.Sequential(Block(7, 12), Block(12, 10, inner=Block(10, 10)), nn.Linear(10, 3))
     return nn.Sequential(Block(7, 13), Block(13, 11, inner=Block(11, 11)), nn.Linear(11, 3))
+
+
+def injections(cell) -> dict:
+    return TP_INJECTIONS if cell.mesh == "tp" else INJECTIONS
+
+
+def data_parallel(cell, mesh) -> tuple:
+    """(this rank's index among the data-parallel replicas, their number, their process group (None: WORLD))."""
+    if cell.mesh == "tp":
+        return mesh.get_local_rank("dp"), mesh["dp"].size(), mesh.get_group("dp")
+    return dist.get_rank(), dist.get_world_size(), None
 
 
 def micro_batch(step: int, rank: int, world_size: int, overflow: str | None):
@@ -112,11 +148,21 @@ def data_overflow(step: int, dtype) -> str | None:
     return "inf" if step == INPUT_INF_STEP else None
 
 
-def make_optimizer(kind: str, params, low_precision_grads: bool):
+def param_groups(named_params, order: str) -> list[list]:
+    """The optimizer's two groups (axes.AXES["groups"]): the first and the second half of the params in the
+    model's order; or the weights (decay) and the biases (no decay), in that order or the other."""
+    named = list(named_params)
+    if order == "halves":
+        params = [p for _, p in named]
+        return [params[:len(params) // 2], params[len(params) // 2:]]
+    decay = [p for name, p in named if not name.endswith("bias")]
+    no_decay = [p for name, p in named if name.endswith("bias")]
+    return [decay, no_decay] if order == "decayfirst" else [no_decay, decay]
+
+
+def make_optimizer(kind: str, named_params, low_precision_grads: bool, order: str = "halves"):
     """Two param groups, as real training has (decay / no decay), with the same hyperparameters."""
-    params = list(params)
-    half = len(params) // 2
-    groups = [{"params": g} for g in (params[:half], params[half:]) if g]
+    groups = [{"params": g} for g in param_groups(named_params, order) if g]
     if kind == "sgd":  # foreach rejects fp16/bf16 grads on fp32 params
         return torch.optim.SGD(groups, lr=LR[kind], momentum=MOMENTUM, foreach=not low_precision_grads)
     return torch.optim.AdamW(groups, lr=LR[kind], fused=True)
@@ -126,16 +172,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor -> this rank's shard
 
 
-def inject_in_local_shard(params, which: str, value: float) -> str:
-    """value into the first element of the first param's local grad that has one, or the last of the last's."""
-    order = list(enumerate(params))
+def _along_tp(p) -> str | None:
+    """"sharded" | "replicated": the param's placement along a mesh dim named tp (None: it has none)."""
+    names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+    if "tp" not in names:
+        return None
+    return "replicated" if p.placements[names.index("tp")].is_replicate() else "sharded"
+
+
+def inject_in_local_shard(params, which: str, value: float, tp: str | None = None) -> str:
+    """value into the first element of the first param's local grad that has one, or the last of the last's;
+    tp: only among params of that placement along the mesh's tp dim."""
+    order = [(i, p) for i, p in enumerate(params) if tp is None or _along_tp(p) == tp]
     for i, p in (order if which == "first" else reversed(order)):
         if p.grad is not None and _local(p.grad).numel() > 0:
             local = _local(p.grad)
             with torch.no_grad():
                 local.view(-1)[0 if which == "first" else -1] = value
             return f"{value} into param {i} {tuple(local.shape)} on {local.device}"
-    raise AssertionError("this rank holds no grad shard to inject into")
+    raise AssertionError(f"this rank holds no grad shard to inject into (among params {tp or 'of any placement'})")
 
 
 def resume(scaler, scaler_spec: str, device: torch.device):
@@ -190,15 +245,16 @@ class Reference:
     scaler requires, then rounds them to that dtype before the optimizer step. Unscaling by a power
     of two is exact, so both sides hand their optimizers the same values."""
 
-    def __init__(self, base: nn.Module, cell, device: torch.device):
+    def __init__(self, base: nn.Module, cell, device: torch.device, group=None):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         dtype = DTYPES[cell.precision]
         self.master = copy.deepcopy(base).to(device)
         self.replica = copy.deepcopy(self.master).to(dtype or torch.float32)
-        self.ddp = DDP(self.replica, device_ids=[device] if device.type == "cuda" else None)
+        self.ddp = DDP(self.replica, device_ids=[device] if device.type == "cuda" else None, process_group=group)
         self.low_grads = dtype if cell.grads == "keeplow" else None
-        self.opt = make_optimizer(cell.optimizer, self.master.parameters(), self.low_grads is not None)
+        self.opt = make_optimizer(cell.optimizer, self.master.named_parameters(), self.low_grads is not None,
+                                  cell.groups)
         self.scaler = torch.amp.GradScaler(device.type, **SCALER_ARGS)
 
     def backward(self, x, y) -> torch.Tensor:
@@ -250,10 +306,13 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     dtype = DTYPES[cell.precision]
-    base = build_model(cell.model)
+    base = build_model(cell.model, even=cell.mesh == "tp")
+    mesh = cached_mesh(device.type, *MESHES[cell.mesh]) if cell.mesh in MESHES else None
+    dp_rank, dp_size, dp_group = data_parallel(cell, mesh)
     settings = Settings(device=device, dtype=dtype, offload=cell.offload == "offload",
                         nested=cell.wrapping == "nested", block_cls=Block, flat_params=cell.params == "flat",
-                        reshard=cell.reshard == "reshard", low_precision_grads=cell.grads == "keeplow")
+                        reshard=cell.reshard == "reshard", low_precision_grads=cell.grads == "keeplow",
+                        mesh=mesh, tp_plan=TP_PLAN if cell.mesh == "tp" else None)
     try:
         model = record(impl_spec).wrap(copy.deepcopy(base), settings)
     except NotImplementedError as exc:  # the wrapper cannot build this configuration here
@@ -261,9 +320,9 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     if not isinstance(model, nn.Module):
         raise TypeError(f"--fsdp {impl_spec}: factory(module, settings) returned an object of type "
                         f"{type(model).__name__}, not the wrapped torch.nn.Module")
-    opt = make_optimizer(cell.optimizer, model.parameters(), settings.low_precision_grads)
+    opt = make_optimizer(cell.optimizer, model.named_parameters(), settings.low_precision_grads, cell.groups)
     scaler = make_scaler(scaler_spec, device=device.type, **SCALER_ARGS)
-    ref = Reference(base, cell, device)
+    ref = Reference(base, cell, device, dp_group)
     fsdp_params, ref_params = list(model.parameters()), list(ref.master.parameters())
     # an implementation may move the loss to its params' device before scaling (fairscale's seed path: CPU with
     # offload, so the scale lives on CPU); elsewhere it is scaled where it was computed
@@ -274,10 +333,10 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     injected = {}
     for step in range(STEPS):
         overflow = data_overflow(step, dtype)
-        x, y = micro_batch(step, rank, world_size, overflow=overflow if rank == 0 else None)
+        x, y = micro_batch(step, dp_rank, dp_size, overflow=overflow if dp_rank == 0 else None)
         x, y = x.to(device, dtype or torch.float32), y.to(device)
-        inject = None if overflow else INJECTIONS.get(step)
-        owner = None if inject is None else {"first": 0, "last": world_size - 1}[inject[0]]
+        inject = None if overflow else injections(cell).get(step)
+        owner = None if inject is None else {"first": 0, "last": world_size - 1}[inject.rank]
 
         # --- FSDP side, the scaler under test
         opt.zero_grad(set_to_none=True)
@@ -285,7 +344,7 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
         scaled = scaler.scale(loss.to(next(model.parameters()).device) if seed_path else loss)
         scaled.backward()
         if inject and rank == owner:
-            injected[step] = inject_in_local_shard(fsdp_params, *inject[1:])
+            injected[step] = inject_in_local_shard(fsdp_params, inject.grad, inject.value, inject.tp)
         if cell.clip == "clip":
             scaler.unscale_(opt)
             clip(MAX_NORM)
@@ -298,7 +357,7 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
         ref.opt.zero_grad(set_to_none=True)
         ref_loss = ref.backward(x, y)
         if inject:
-            inject_in_local_shard(ref_params, *inject[1:])
+            inject_in_local_shard(ref_params, inject.grad, inject.value)
         before = _local_params(ref_params)
         ref.unscale_clip_step(cell.clip == "clip")
         ref.sync_replica()

@@ -14,6 +14,8 @@ Everything the matrix knows of an implementation is its record (`record(spec)` -
 the factory, and what the factory declares as optional attributes (`@declare(...)` sets them; a
 plugged factory may set the same, a plain function gets the defaults):
 
+    meshes: tuple                         the meshes it builds (axes.AXES["mesh"]; default ("1d",)): cells on
+                                          any other mesh skip, naming the declaration
     needs(cell, n_gpus) -> str | None     why this machine cannot run the cell (it skips at collection)
     loss_on_param_device: bool            the loss is moved to the params' device before scaling, so
                                           the scale lives there (fairscale issue #421's path: CPU with offload)
@@ -43,6 +45,10 @@ class Settings:
     reshard: bool             # free the full params after forward (re-gather in backward)
     low_precision_grads: bool = False  # leave the grads in dtype for the scaler and optimizer
                                        # (FSDP1 keep_low_precision_grads); else upcast to fp32
+    mesh: object = None       # None: shard over one flat group, the world. A 2D DeviceMesh over the world whose
+                              # dims are named ("replicate", "shard"): hybrid sharding (HSDP); ("dp", "tp"):
+                              # apply tp_plan on mesh["tp"], then shard over mesh["dp"]
+    tp_plan: dict | None = None  # module name -> "colwise" | "rowwise" (torch's ColwiseParallel / RowwiseParallel)
 
 
 def _needs_nothing(cell, n_gpus):
@@ -53,11 +59,15 @@ def _keeps_low_if_asked(cell):
     return cell.grads == "keeplow"
 
 
-def declare(needs=_needs_nothing, loss_on_param_device=False, low_precision_grads=_keeps_low_if_asked):
+FLAT_ONLY = ("1d",)  # the meshes of a factory that declares none: it need not know Settings.mesh
+
+
+def declare(needs=_needs_nothing, loss_on_param_device=False, low_precision_grads=_keeps_low_if_asked,
+            meshes=FLAT_ONLY):
     """A factory's declarations, as its attributes (see the module docstring)."""
     def apply(factory):
         factory.needs, factory.loss_on_param_device = needs, loss_on_param_device
-        factory.low_precision_grads = low_precision_grads
+        factory.low_precision_grads, factory.meshes = low_precision_grads, tuple(meshes)
         return factory
     return apply
 
@@ -69,6 +79,7 @@ class Implementation:
     needs: Callable
     loss_on_param_device: bool
     low_precision_grads: Callable
+    meshes: tuple = FLAT_ONLY
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,7 +88,8 @@ def record(spec: str) -> Implementation:
     factory = resolve(spec)
     return Implementation(spec, factory, getattr(factory, "needs", _needs_nothing),
                           bool(getattr(factory, "loss_on_param_device", False)),
-                          getattr(factory, "low_precision_grads", _keeps_low_if_asked))
+                          getattr(factory, "low_precision_grads", _keeps_low_if_asked),
+                          tuple(getattr(factory, "meshes", FLAT_ONLY)))
 
 
 def cell_placement(cell, cuda: bool) -> str:
@@ -116,14 +128,21 @@ def _fsdp1_needs(cell, n_gpus):
     return None
 
 
-@declare(needs=_fsdp1_needs)
+@declare(needs=_fsdp1_needs, meshes=("1d", "hsdp"))
 def fsdp1(module, s: Settings):
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    return FSDP(module.to(s.device), device_id=s.device, use_orig_params=not s.flat_params,
-                sharding_strategy=ShardingStrategy.FULL_SHARD if s.reshard else ShardingStrategy.SHARD_GRAD_OP,
+    if s.tp_plan:
+        raise NotImplementedError("the matrix's FSDP1 wrapper does not compose with tensor parallelism")
+    if s.mesh is None:
+        strategy = ShardingStrategy.FULL_SHARD if s.reshard else ShardingStrategy.SHARD_GRAD_OP
+    else:  # a 2D (replicate, shard) mesh
+        strategy = ShardingStrategy.HYBRID_SHARD if s.reshard else ShardingStrategy._HYBRID_SHARD_ZERO2
+    hybrid = {} if s.mesh is None else dict(device_mesh=s.mesh)  # the keyword is newer than FSDP1
+    return FSDP(module.to(s.device), device_id=s.device, use_orig_params=not s.flat_params, **hybrid,
+                sharding_strategy=strategy,
                 mixed_precision=MixedPrecision(param_dtype=s.dtype, reduce_dtype=s.dtype,
                                                keep_low_precision_grads=s.low_precision_grads) if s.dtype else None,
                 cpu_offload=CPUOffload(offload_params=True) if s.offload else None,
@@ -163,28 +182,51 @@ def _fsdp2_needs(cell, n_gpus):
         return (f"FSDP2 with CUDA params at world size {ws} needs NCCL with one GPU per rank: over gloo ranks sharing "
                 f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (seen on torch 2.11; "
                 f"assumed on torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until one runs it); {n_gpus} GPU(s) visible")
+    if cell.mesh == "tp" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
+        return (f"tensor parallelism on CUDA at world size {ws} needs NCCL with one GPU per rank: its activations are "
+                f"CUDA DTensors whose redistributions are the functional collectives that segfault over gloo ranks "
+                f"sharing a GPU (see the FSDP2 reason; offload does not move activations); {n_gpus} GPU(s) visible")
     return None
 
 
-@declare(needs=_fsdp2_needs)
+def apply_tp_plan(module, mesh, plan: dict) -> None:
+    """Settings.tp_plan on the mesh's "tp" dim, with torch's parallel styles."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(module, mesh["tp"], {name: styles[style]() for name, style in plan.items()})
+
+
+@declare(needs=_fsdp2_needs, meshes=("1d", "hsdp", "tp"))
 def fsdp2(module, s: Settings):
+    return shard_fsdp2(module, s)
+
+
+def shard_fsdp2(module, s: Settings, unit_mesh=None):
+    """FSDP2 as the matrix builds it; unit_mesh(unit, mesh) -> the mesh to shard that unit over (default: mesh),
+    for a planted wrapper that gets one unit wrong."""
     api = fsdp2_api()
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     if s.low_precision_grads:
         raise NotImplementedError("FSDP2 always gives the optimizer grads in the params' dtype")
-    mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
-    kw = dict(mesh=mesh, reshard_after_forward=s.reshard)
+    module = module.to(s.device)
+    if s.mesh is None:
+        mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
+    elif s.tp_plan:
+        apply_tp_plan(module, s.mesh, s.tp_plan)
+        mesh = s.mesh["dp"]
+    else:
+        mesh = s.mesh  # 2D: fully_shard replicates over dim 0 and shards over dim 1 (HSDP)
+    kw = dict(reshard_after_forward=s.reshard)
     if s.dtype:
         kw["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=s.dtype, reduce_dtype=s.dtype)
     if s.offload:  # pinned memory needs an accelerator; on CPU the offload is a plain CPU copy
         kw["offload_policy"] = api.CPUOffloadPolicy(pin_memory=s.device.type == "cuda")
-    module = module.to(s.device)
-    if s.nested:
-        for block in _blocks_innermost_first(module, s.block_cls):
-            api.fully_shard(block, **kw)
-    api.fully_shard(module, **kw)
+    units = (_blocks_innermost_first(module, s.block_cls) if s.nested else []) + [module]
+    for unit in units:
+        api.fully_shard(unit, mesh=unit_mesh(unit, mesh) if unit_mesh else mesh, **kw)
     return module
 
 

@@ -18,6 +18,23 @@ def test_every_valid_pair_is_covered_by_each_implementation(impl):
     assert not axes.missing_pairs(axes.cells(), impl)
 
 
+@pytest.mark.parametrize("impl, mesh", [(i, m) for i in axes.AXES["impl"] for m in axes.AXES["mesh"][1:]
+                                        if m in axes._allowed(i, "mesh")])
+def test_every_valid_pair_is_covered_on_each_mesh(impl, mesh):
+    cells = axes.cells()
+    assert not axes.missing_mesh_pairs(cells, impl, mesh)
+    mine = [c for c in cells if c.impl == impl and c.mesh == mesh]
+    assert mine and {(c.world_size, c.model) for c in mine} == {(axes.MESH_WORLD_SIZE, "small")}
+
+
+def test_mesh_cells_are_added_and_only_where_the_implementation_has_the_mesh():
+    """The 1d cells are the matrix without the mesh axis (ids and configs); each implementation gets cells on the
+    meshes it has (fairscale: none; FSDP1: hsdp; FSDP2: hsdp and tp), and only those."""
+    cells = axes.cells()
+    assert [c for c in cells if c.mesh == "1d"] == axes.flat_cells()
+    assert {(c.impl, c.mesh) for c in cells if c.mesh != "1d"} == {("fsdp1", "hsdp"), ("fsdp2", "hsdp"), ("fsdp2", "tp")}
+
+
 def test_invalid_combinations_are_not_generated():
     assert {c.params for c in axes.cells() if c.impl == "fsdp2"} == {"orig"}
     assert {c.grads for c in axes.cells() if c.impl != "fsdp1"} == {"upcast"}
@@ -30,8 +47,9 @@ def test_ids_are_unique_and_read_like_the_config():
     assert len({c.id for c in cells}) == len(cells)
     c = axes.Cell("fsdp1", "offload", "fp16", "nested", 2, "orig", "reshard", "sgd", "keeplow", "clip")
     assert c.id == "fsdp1-offload-fp16-nested-ws2-orig-reshard-sgd-keeplow-clip"
-    # the model axis names only the wide model: ids from before the axis stay valid
+    # the model, groups and mesh axes name only their other values: ids from before the axes stay valid
     assert axes.Cell(*vars(c).values()).model == "small" and axes.Cell(**{**vars(c), "model": "wide"}).id == c.id + "-wide"
+    assert axes.Cell(**{**vars(c), "groups": "nodecayfirst", "mesh": "hsdp"}).id == c.id + "-nodecayfirst-hsdp"
 
 
 def test_the_wide_model_meets_every_value_of_every_axis_in_few_cells():
@@ -41,6 +59,14 @@ def test_the_wide_model_meets_every_value_of_every_axis_in_few_cells():
     wide = [c for c in cells if c.model == "wide"]
     assert 0 < len(wide) <= len(cells) // 8
     assert {vars(c)[a] for c in wide for a in ("world_size",)} == set(axes.AXES["world_size"])
+
+
+def test_each_param_group_order_meets_every_value_in_few_cells():
+    """The groups axis changes few 1d cells (the others keep the halves they had), never a flat-params one."""
+    flat = axes.flat_cells()
+    changed = [c for c in flat if c.groups != "halves"]
+    assert 0 < len(changed) <= len(flat) // 4 and all(c.params == "orig" for c in changed)
+    assert {c.groups for c in changed} == {"decayfirst", "nodecayfirst"}
 
 
 def test_a_plugged_implementation_replaces_the_axis():
@@ -71,3 +97,7 @@ def test_an_implementation_is_one_record_a_plugged_factory_can_declare_too():
     assert implementations.record("fairscale").loss_on_param_device and not implementations.record("fsdp1").loss_on_param_device
     offload = next(c for c in axes.cells(["fsdp1"]) if c.offload == "offload")
     assert "FSDP1 CPUOffload needs an accelerator" in axes.skip_reason(offload, n_gpus=0)
+    # meshes: a factory that declares none builds only 1d cells; the others skip, naming the declaration
+    hsdp = next(c for c in axes.cells([plain]) if c.mesh == "hsdp")
+    assert "does not declare the hsdp mesh" in axes.skip_reason(hsdp, n_gpus=0)
+    assert implementations.record("fsdp2").meshes == ("1d", "hsdp", "tp")

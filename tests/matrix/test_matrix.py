@@ -14,7 +14,7 @@ import torch
 
 from tests.harness import run_on_ranks
 from tests.matrix import axes, implementations
-from tests.matrix.cell import INJECTIONS, INPUT_INF_STEP, OVERFLOW_STEP, RESUME_AFTER, SCALER_ARGS, train_cell
+from tests.matrix.cell import INPUT_INF_STEP, OVERFLOW_STEP, RESUME_AFTER, SCALER_ARGS, injections, train_cell
 from tests.scalers import BUILTINS as BUILTIN_SCALERS
 
 pytestmark = pytest.mark.matrix
@@ -93,10 +93,11 @@ def _event(step, cell, r) -> str:
         return " (rank 0's micro-batch overflows fp16)"
     if step == INPUT_INF_STEP:
         return " (rank 0's micro-batch holds an inf: the overflow passes through forward, backward and the reduction)"
-    if step in INJECTIONS:
-        rank, _, value = INJECTIONS[step]
+    if step in injections(cell):
+        inject = injections(cell)[step]
+        grad = f"the {inject.grad} TP-{inject.tp} grad" if inject.tp else f"the {inject.grad} grad"
         here = r.injected.get(step)
-        return f" ({value} injected on the {rank} rank" + (f": {here})" if here else ", not this one)")
+        return f" ({inject.value} injected into {grad} on the {inject.rank} rank" + (f": {here})" if here else ", not this one)")
     if step > RESUME_AFTER:
         return f" (the FSDP side's scaler was resumed from its state_dict after step {RESUME_AFTER})"
     return ""

@@ -6,7 +6,9 @@ runs in a child pytest against `ours` (the control: it must pass every cell) and
 scalers a real FSDP run should expose;
 then the same slice with `ours` under plugged wrappers: a correct one passes, broken ones fail.
 The wide model's cells (the model axis) run against the defects that only hundreds of grads or
-multi-chunk grads expose, which the small model's cells cannot.
+multi-chunk grads expose, which the small model's cells cannot. The mesh slice (FSDP2's fp32 cells on a 2x2
+hsdp or tp mesh) runs against the defects only a mesh shows: a scaler agreeing along one mesh dim, a wrapper
+that skips one unit's replicate reduction, a TP plan that leaves replicated grads partial.
 """
 import pytest
 
@@ -20,7 +22,10 @@ SLICE = "ws2 and (fsdp1 or fsdp2)"
 MUTANTS = planted.matrix_mutants("small")  # the defects the matrix's schedule (cell.py) must expose
 WIDE_MUTANTS = planted.matrix_mutants("wide")  # wide cells only: the small model has 8 grads of <= 143 elements
 WRAPPERS = "tests.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
-BROKEN = list(planted.WRAPPERS)  # tests/planted/wrappers.py
+BROKEN = planted.broken_wrappers("small")  # tests/planted/wrappers.py
+MESH_SLICE = "fsdp2 and (hsdp or tp) and fp32"  # ids name a mesh only off 1d; a plugged fsdp2 spec matches too
+MESH_MUTANTS = planted.matrix_mutants("mesh")
+MESH_BROKEN = planted.broken_wrappers("mesh")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +48,16 @@ def wrappers(tmp_path_factory):
     fsdps = [f"{WRAPPERS}:fsdp1", f"{WRAPPERS}:fsdp2"] + [planted.WRAPPERS[b].spec for b in BROKEN]
     return child_run_once(tmp_path_factory, "teeth-wrappers", ["tests/matrix/test_matrix.py"], "ws2",
                      scalers=["ours"], fsdps=fsdps, marker="matrix")
+
+
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory):
+    specs = ["ours"] + [planted.SCALERS[m].spec for m in MESH_MUTANTS]
+    fsdps = [f"{WRAPPERS}:fsdp2"] + [planted.WRAPPERS[b].spec for b in MESH_BROKEN]
+    return (child_run_once(tmp_path_factory, "teeth-mesh-scalers", ["tests/matrix/test_matrix.py"], MESH_SLICE,
+                           scalers=specs, marker="matrix"),
+            child_run_once(tmp_path_factory, "teeth-mesh-wrappers", ["tests/matrix/test_matrix.py"], MESH_SLICE,
+                           scalers=["ours"], fsdps=fsdps, marker="matrix"))
 
 
 def test_ours_passes_every_cell_of_the_slice(scalers):
@@ -77,3 +92,21 @@ def test_a_correct_plugged_wrapper_passes_with_no_expected_failures(wrappers, im
 def test_a_broken_plugged_wrapper_fails_cells(wrappers, broken):
     got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=planted.WRAPPERS[broken].spec)
     assert "failed" in got, f"{broken}: no cell failed ({got or 'no results'})"
+
+
+def test_ours_and_a_correct_plugged_wrapper_pass_every_mesh_cell(meshes):
+    for run, impl in zip(meshes, (None, f"{WRAPPERS}:fsdp2")):
+        got = outcomes(run, scaler="ours", test="test_fsdp_matches_ddp", **({"impl": impl} if impl else {}))
+        assert "passed" in got and set(got) <= {"passed", "skipped"}, got
+
+
+@pytest.mark.parametrize("mutant", MESH_MUTANTS)
+def test_a_scaler_defect_only_a_mesh_shows_fails_mesh_cells(meshes, mutant):
+    got = outcomes(meshes[0], scaler=planted.SCALERS[mutant].spec, test="test_fsdp_matches_ddp")
+    assert "failed" in got, f"{mutant}: no mesh cell failed ({got or 'no results'})"
+
+
+@pytest.mark.parametrize("broken", MESH_BROKEN)
+def test_a_broken_mesh_wrapper_fails_mesh_cells(meshes, broken):
+    got = outcomes(meshes[1], scaler="ours", test="test_fsdp_matches_ddp", impl=planted.WRAPPERS[broken].spec)
+    assert "failed" in got, f"{broken}: no mesh cell failed ({got or 'no results'})"

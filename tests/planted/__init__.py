@@ -15,5 +15,10 @@ EXPECTED = {name: list(m.caught_by) for name, m in SCALERS.items() if m.caught_b
 
 
 def matrix_mutants(role: str) -> list[str]:
-    """The mutants the matrix teeth must see fail (tests/meta/test_teeth.py): role "small" or "wide"."""
+    """The mutants the matrix teeth must see fail (tests/meta/test_teeth.py): a role of registry.ROLES."""
     return [name for name, m in SCALERS.items() if m.matrix == role]
+
+
+def broken_wrappers(role: str) -> list[str]:
+    """The broken wrappers whose cells of that slice must fail (tests/meta/test_teeth.py)."""
+    return [name for name, w in WRAPPERS.items() if w.matrix == role]

@@ -23,6 +23,7 @@ ROLES = {
     None: "not run through the matrix",
     "small": "fails cells of the world-size-2 FSDP1/FSDP2 slice (the small model)",
     "wide": "fails the wide model's cells only (hundreds of grads, multi-chunk grads)",
+    "mesh": "fails the FSDP2 cells on a 2x2 mesh (hsdp, tp) of the mesh slice",
 }
 
 
@@ -43,6 +44,7 @@ class Mutant:
 class BrokenWrapper:
     name: str  # the factory's own name: the --fsdp spec is module:name
     factory: Callable
+    matrix: str = "small"  # a key of ROLES: the slice whose cells it must fail
 
     @property
     def spec(self) -> str:
@@ -69,9 +71,13 @@ def mutant(name: str, caught_by=(), matrix: str | None = None):
     return register
 
 
-def broken_wrapper(name: str):
-    """Register the decorated --fsdp factory as the planted broken wrapper `name`."""
+def broken_wrapper(name: str, matrix: str = "small"):
+    """Register the decorated --fsdp factory as the planted broken wrapper `name`, which must fail cells of the
+    `matrix` slice (a key of ROLES)."""
+    if matrix not in ROLES or matrix is None:
+        raise ValueError(f"broken wrapper {name!r}: matrix={matrix!r} is none of {[r for r in ROLES if r]}")
+
     def register(factory):
-        REGISTERED_WRAPPERS.append(BrokenWrapper(name, factory))
+        REGISTERED_WRAPPERS.append(BrokenWrapper(name, factory, matrix))
         return factory
     return register

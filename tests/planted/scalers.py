@@ -9,11 +9,13 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DTensor, DeviceSplitGradScaler, _f32
-from tests.planted.registry import mutant
+from tests.harness import cached_group
 from tests.known_bugs import FUSED, MESH, SEQUENCES
+from tests.planted.registry import mutant
 
 _check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
 
@@ -707,6 +709,23 @@ class TrustsDTensorAgreement(DeviceSplitGradScaler):
             return float(sum(t.item() for t in found.values()))
         return super()._agree(found)
 
+@mutant("agrees_along_one_mesh_dim", caught_by=[MESH], matrix="mesh")  # the inf on the last rank: ranks 0, 1 step
+class AgreesAlongOneMeshDim(DeviceSplitGradScaler):
+    """At world size 4 with no process group given, agrees on found_inf along the last dim of the 2x2 mesh only
+    (HSDP's shard dim, or tp): over its own half of the world, as a scaler handed one mesh dim's group instead of
+    the whole job's would. Elsewhere it is correct."""
+
+    def _agree(self, found):
+        if self.process_group is not None or not dist.is_initialized() or dist.get_world_size() != 4:
+            return super()._agree(found)
+        rows = [cached_group(ranks) for ranks in ([0, 1], [2, 3])]  # every rank makes both, in this order
+        self.process_group = rows[dist.get_rank() // 2]
+        try:
+            return super()._agree(found)
+        finally:
+            self.process_group = None
+
+
 # The factories, by the names the specs use (`--scaler tests.planted.scalers:<name>`): each is its class's
 # @mutant name (tests/meta/test_planted.py checks that every name resolves to the factory registered under it).
 no_agreement = NoAgreement.factory
@@ -763,3 +782,4 @@ explicit_unscale_agrees_over_world = ExplicitUnscaleAgreesOverWorld.factory
 unscales_contiguous_copies = UnscalesContiguousCopies.factory
 checks_by_max_magnitude = ChecksByMaxMagnitude.factory
 trusts_dtensor_agreement = TrustsDTensorAgreement.factory
+agrees_along_one_mesh_dim = AgreesAlongOneMeshDim.factory

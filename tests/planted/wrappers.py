@@ -3,6 +3,8 @@
 Use one with `--fsdp tests.planted.wrappers:<name>`; tests/meta/test_teeth.py checks that each fails matrix
 cells where the built-in wrappers, plugged the same way, pass.
 """
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -58,3 +60,47 @@ def fsdp1_nan_to_num_grads(module, settings):
     model = implementations.fsdp1(module, settings)
     model.register_comm_hook(dist.group.WORLD, _comm_hook(guard=torch.nan_to_num_))
     return model
+
+
+def _fsdp2_with_one_defect(wrapper):
+    """Declared as FSDP2 is (what it needs of the machine, its meshes): only the planted defect differs."""
+    fsdp2 = implementations.fsdp2
+    return implementations.declare(needs=fsdp2.needs, meshes=fsdp2.meshes)(wrapper)
+
+
+@broken_wrapper("fsdp2_one_unit_unreplicated", matrix="mesh")  # on a (replicate, shard) mesh; elsewhere FSDP2 as built in
+@_fsdp2_with_one_defect
+def fsdp2_one_unit_unreplicated(module, settings):
+    """FSDP2 whose first unit (the innermost block when nested, else the root) is sharded over the mesh's shard dim
+    only: its grads are reduce-scattered within each replica and never reduced across replicas."""
+    if settings.mesh is None or settings.tp_plan:
+        return implementations.fsdp2(module, settings)
+    first = []
+    def unit_mesh(unit, mesh):
+        first.append(unit)
+        return mesh["shard"] if len(first) == 1 else mesh
+    return implementations.shard_fsdp2(module, settings, unit_mesh)
+
+
+# the matrix's TP model (tests/matrix/cell.py TP_PLAN): its first Colwise/Rowwise pair, and the modules after it
+FIRST_PAIR = {"0.lin": "colwise", "1.lin": "rowwise"}
+SPLIT_FROM, SPLIT_TO = "1.inner", "2"
+
+
+@broken_wrapper("fsdp2_head_batch_split", matrix="mesh")  # on a (dp, tp) mesh; elsewhere FSDP2 as built in
+@_fsdp2_with_one_defect
+def fsdp2_head_batch_split(module, settings):
+    """FSDP2 after a TP plan that keeps only the first Colwise/Rowwise pair and runs the modules after it (plain
+    params, replicated over tp) on each tp rank's share of the batch, as sequence parallelism does, gathering the
+    output back: the forward is exact, but those replicated params' grads stay partial, never all-reduced across tp."""
+    if not settings.tp_plan:
+        return implementations.fsdp2(module, settings)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+
+    tp = settings.mesh["tp"]
+    parallelize_module(module, tp, {SPLIT_FROM: PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(0),), use_local_output=True)})
+    parallelize_module(module, tp, {SPLIT_TO: PrepareModuleOutput(
+        output_layouts=(Shard(0),), desired_output_layouts=(Replicate(),), use_local_output=True)})
+    return implementations.fsdp2(module, dataclasses.replace(settings, tp_plan=FIRST_PAIR))

@@ -6,6 +6,9 @@
     of the list is sharded, over that grad's mesh only. Put a TP-replicated norm first in the optimizer
     (the no-decay group first, as many trainers build it) and an inf in one TP rank's shard of a
     TP-sharded weight: the ranks of the other TP column never hear of it and step.
+    The same handler under HSDP (FSDP2 on a (replicate, shard) mesh): every grad is (Replicate(), Shard(0)),
+    so found_inf is reduced within each replica only, and an inf in one replica's grads (rank 3's) makes
+    that replica alone skip and back off.
 (b) One optimizer with a DTensor param and a plain tensor param on the same device and dtype: torch's
     scalers unscale them in one kernel call, which DTensor dispatch refuses ("got mixed torch.Tensor and
     DTensor").
@@ -18,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_on_ranks
+from tests.harness import cached_mesh, run_on_ranks
 from tests.repro.runner import Outcome, case
 from tests.scalers import make_scaler
 
@@ -48,6 +51,32 @@ def _replicated_norm_first(scaler):
       bugs=["dtensor-found-inf-first-grad-placements", "fairscale-disabled-without-cuda"])
 def test_replicated_norm_first_then_inf_in_a_sharded_weight(scaler):
     stepped = run_on_ranks(_replicated_norm_first, scaler, world_size=4)
+    return Outcome(any(stepped), f"stepped per rank: {stepped}", "every rank skips: [False, False, False, False]")
+
+
+def _one_replica_overflows(scaler):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    rank = dist.get_rank()
+    mesh = cached_mesh("cpu", (2, 2), ("replicate", "shard"))
+    hsdp = [Replicate(), Shard(0)]  # how FSDP2 places every param and grad on a 2D mesh
+    params = [torch.nn.Parameter(DTensor.from_local(torch.ones(2), mesh, hsdp, run_check=False)) for _ in range(2)]
+    s = make_scaler(scaler, device="cpu", init_scale=256.0)
+    s.scale(torch.ones(()))
+    for i, p in enumerate(params):
+        local = torch.full((2,), 256.0)
+        if rank == 3 and i == 1:
+            local[0] = math.inf  # replica 1's shard 1 overflows
+        p.grad = DTensor.from_local(local, mesh, hsdp, run_check=False)
+    s.step(torch.optim.SGD(params, lr=0.5, foreach=False))
+    s.update()
+    return not torch.equal(params[0].to_local(), torch.ones(2))
+
+
+@case("HSDP (replicate x shard, as FSDP2 places every grad): an inf in one replica's shard (rank 3)",
+      bugs=["dtensor-found-inf-first-grad-placements", "fairscale-disabled-without-cuda"])
+def test_an_inf_in_one_hsdp_replica(scaler):
+    stepped = run_on_ranks(_one_replica_overflows, scaler, world_size=4)
     return Outcome(any(stepped), f"stepped per rank: {stepped}", "every rank skips: [False, False, False, False]")
 
 
