@@ -6,8 +6,8 @@ runs in a child pytest against `ours` (the control: it must pass every cell) and
 scalers a real FSDP run should expose;
 then the same slice with `ours` under plugged wrappers: a correct one passes, broken ones fail.
 The wide model's cells (the model axis) run against the defects that only hundreds of grads or
-multi-chunk grads expose, which the small model's cells cannot. The mesh slice (FSDP2's fp32 cells on a 2x2
-hsdp or tp mesh) runs against the defects only a mesh shows: a scaler agreeing along one mesh dim, a wrapper
+multi-chunk grads expose, which the small model's cells cannot. The mesh slice (FSDP2's fp32 SGD cell on a 2x2
+hsdp and on a tp mesh) runs against the defects only a mesh shows: a scaler agreeing along one mesh dim, a wrapper
 that skips one unit's replicate reduction, a TP plan that leaves replicated grads partial.
 """
 import pytest
@@ -23,7 +23,7 @@ MUTANTS = planted.matrix_mutants("small")  # the defects the matrix's schedule (
 WIDE_MUTANTS = planted.matrix_mutants("wide")  # wide cells only: the small model has 8 grads of <= 143 elements
 WRAPPERS = "tests.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
 BROKEN = planted.broken_wrappers("small")  # tests/planted/wrappers.py
-MESH_SLICE = "fsdp2 and (hsdp or tp) and fp32"  # ids name a mesh only off 1d; a plugged fsdp2 spec matches too
+MESH_SLICE = "fsdp2 and (hsdp or tp) and fp32 and sgd"  # ids name a mesh only off 1d; a plugged fsdp2 spec matches too
 MESH_MUTANTS = planted.matrix_mutants("mesh")
 MESH_BROKEN = planted.broken_wrappers("mesh")
 
