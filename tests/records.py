@@ -37,6 +37,7 @@ class Record:
     function: str | None = None
     scaler: str | None = None
     impl: str | None = None
+    mesh: str | None = None  # a matrix cell's mesh (axes.AXES["mesh"]); None in reports from before the axis: 1d
     family: str | Cell | None = None
     bug: str | None = None
     bug_any_version: str | None = None

@@ -6,7 +6,7 @@ known bug as user_properties (set at collection, carried by xdist to the control
 pytest_terminal_summary counts the reports pytest already collected, as Records (tests/records.py, the type
 --report-json and the version table share). EVERY collected test counts: scaler checks by scaler x the column
 their module declares (REPORT_COLUMN; a module without one is a column of its own, named by its file), the
-matrix by (implementation, scaler) x (precision, offload), every other test by its file, and a
+matrix by (implementation, mesh, scaler) x (precision, offload), every other test by its file, and a
 collection error as a failure. The headline can never disagree with pytest's exit status. Cells
 read `passed/failed/xfailed/skipped`; the known-bug reasons (xfails) are listed once under the tables.
 """
@@ -65,7 +65,7 @@ def label(item) -> None:
     cell = params.get("cell")
     props = [("test", item.originalname), ("function", f"{item.parent.nodeid}::{item.originalname}")]
     if "scaler" in params and cell is not None:
-        props += [("scaler", params["scaler"]), ("impl", cell.impl),
+        props += [("scaler", params["scaler"]), ("impl", cell.impl), ("mesh", cell.mesh),
                   ("family", Cell(cell.precision, cell.offload).as_data())]
     elif "scaler" in params:
         props += [("scaler", params["scaler"]), ("family", column(item))]
@@ -126,12 +126,13 @@ def tables(recs: list[Record]) -> list[tuple[str, list[str], list[list[str]]]]:
         present = {r.family for r in matrix}
         fams = [c for o in ("nooffload", "offload") for p in ("fp32", "fp16", "bf16")
                 for c in [Cell(p, o)] if c in present]
-        rows = sorted({(r.impl, r.scaler) for r in matrix}, key=lambda k: (k[0], _scaler_order(k[1])))
+        rows = sorted({(r.impl, r.mesh or "1d", r.scaler) for r in matrix},
+                      key=lambda k: (k[0], k[1] != "1d", k[1], _scaler_order(k[2])))  # 1d first, then each mesh
         counts = collections.defaultdict(collections.Counter)
         for r in matrix:
-            counts[r.impl, r.scaler, r.family][r.outcome] += 1
-        out.append(("FSDP-vs-DDP matrix", ["implementation", "scaler"] + [str(f) for f in fams],
-                    [[i, s] + [_cell(counts[i, s, f]) for f in fams] for i, s in rows]))
+            counts[r.impl, r.mesh or "1d", r.scaler, r.family][r.outcome] += 1
+        out.append(("FSDP-vs-DDP matrix", ["implementation", "mesh", "scaler"] + [str(f) for f in fams],
+                    [[i, m, s] + [_cell(counts[i, m, s, f]) for f in fams] for i, m, s in rows]))
     rest = [r for r in recs if not r.scaler]
     if rest:
         counts = collections.defaultdict(collections.Counter)

@@ -41,15 +41,19 @@ def test_unexpected_outcomes_lead_the_report_whatever_the_exit_status():
     assert report.headline([], exitstatus=5).startswith("UNEXPECTED OUTCOMES: pytest exits 5")
 
 
-def test_matrix_rows_are_implementation_and_scaler():
+def test_matrix_rows_are_implementation_mesh_and_scaler():
     recs = report.records([rep("m1", "passed", family=Cell("fp16", "offload").as_data(), impl="fsdp2"),
                            rep("m2", "xfailed", scaler="torch_amp", family=Cell("fp32", "nooffload").as_data(),
                                impl="fsdp1", reason="r"),
-                           rep("m3", "passed", family=Cell("fp16", "nooffload").as_data(), impl="fsdp2")])
+                           rep("m3", "passed", family=Cell("fp16", "nooffload").as_data(), impl="fsdp2"),
+                           rep("m4", "failed", family=Cell("fp16", "nooffload").as_data(), impl="fsdp2", mesh="tp"),
+                           rep("m5", "passed", family=Cell("fp32", "nooffload").as_data(), impl="fsdp2", mesh="hsdp")])
     title, header, rows = report.tables(recs)[0]
     assert title == "FSDP-vs-DDP matrix"
-    assert header == ["implementation", "scaler", "fp32 nooffload", "fp16 nooffload", "fp16 offload"]
-    assert rows == [["fsdp1", "torch_amp", "0/0/1/0", "", ""], ["fsdp2", "ours", "", "1/0/0/0", "1/0/0/0"]]
+    assert header == ["implementation", "mesh", "scaler", "fp32 nooffload", "fp16 nooffload", "fp16 offload"]
+    # a record without a mesh (a report from before the axis) is a 1d cell; 1d rows first, then each mesh
+    assert rows == [["fsdp1", "1d", "torch_amp", "0/0/1/0", "", ""], ["fsdp2", "1d", "ours", "", "1/0/0/0", "1/0/0/0"],
+                    ["fsdp2", "hsdp", "ours", "1/0/0/0", "", ""], ["fsdp2", "tp", "ours", "", "0/1/0/0", ""]]
 
 
 def test_the_json_records_are_the_records():
