@@ -44,6 +44,13 @@ def make_fused(name: str, params):
     return cls(params, lr=LR, fused=True, **settings)
 
 
+def unavailable(exc: Exception) -> bool:
+    """torch has no such fused kernel on this device: NotImplementedError, or the RuntimeError torch raises for a
+    device it lists as unsupported (fused Adagrad on CUDA: "`fused=True` requires all the params to be floating
+    point Tensors of supported devices", seen on torch 2.11; it is a plain RuntimeError, so its text tells it)."""
+    return isinstance(exc, NotImplementedError) or (isinstance(exc, RuntimeError) and "`fused=True` requires" in str(exc))
+
+
 def snapshot(params, opt) -> list:
     """Each param and its optimizer state (tensors only), on CPU."""
     return [(p.detach().cpu().clone(), {k: v.detach().cpu().clone() for k, v in opt.state[p].items()
@@ -72,12 +79,14 @@ SKIPS_ON = {0.0: False, 1.0: True, 2.0: False}
 def _kernel_skips(optimizer: str, kind: str, found_inf: float) -> dict:
     device = device_of(kind)
     p = torch.nn.Parameter(torch.ones(2, device=device))
-    opt = make_fused(optimizer, [p])
     p.grad = torch.tensor([1.0, math.inf], device=device)
-    opt.grad_scale, opt.found_inf = None, torch.tensor(found_inf, device=device)  # as GradScaler.step sets them
     try:
+        opt = make_fused(optimizer, [p])
+        opt.grad_scale, opt.found_inf = None, torch.tensor(found_inf, device=device)  # as GradScaler.step sets them
         opt.step()
-    except NotImplementedError as exc:  # this torch has no such fused kernel on this device
+    except (NotImplementedError, RuntimeError) as exc:
+        if not unavailable(exc):
+            raise
         return dict(unavailable=f"torch {torch.__version__} has no fused {optimizer} kernel on {kind}: {exc}")
     step = opt.state[p].get("step")
     return dict(skipped=torch.equal(p.detach().cpu(), torch.ones(2)), step=None if step is None else float(step))
@@ -106,12 +115,14 @@ def _overflow_then_clean(spec: str, placement: str, optimizer: str, explicit_uns
     rank = dist.get_rank()
     with deterministic_fill():
         ref = Problem(placement, n_params=N_PARAMS, seed_offset=rank)
-        ref_opt = make_fused(optimizer, ref.params)
         for p, c in zip(ref.params, ref.targets):
             p.grad = c.clone()  # the exact grads, no scaler
         try:
+            ref_opt = make_fused(optimizer, ref.params)
             ref_opt.step()
-        except NotImplementedError as exc:  # this torch has no such fused kernel on this device
+        except (NotImplementedError, RuntimeError) as exc:
+            if not unavailable(exc):
+                raise
             return dict(unavailable=f"torch {torch.__version__} has no fused {optimizer} kernel here: {exc}")
         want = snapshot(ref.params, ref_opt)
 
