@@ -24,6 +24,7 @@ WORKERS=$(( CORES / 2 < 8 ? (CORES / 2 > 0 ? CORES / 2 : 1) : 8 ))
 WORKERS=$(( CONTEXTS / 7 < WORKERS ? (CONTEXTS / 7 > 0 ? CONTEXTS / 7 : 1) : WORKERS ))
 echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> pytest -n $WORKERS; torch $(python3 -c 'import torch; print(torch.__version__)')"
 # the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
-# the slow meta-tests (planted defects, adoption, torchrun) are CPU work, run by ci/cpu.sh
+# the slow meta-tests (planted defects, adoption, torchrun, the child runs of the main job in test_options and
+# test_versions_table) are CPU work, run by ci/cpu.sh
 python3 -m pytest -n "$WORKERS" -m "not slow" tests/conformance tests/matrix tests/repro tests/meta \
   --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"

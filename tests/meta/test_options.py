@@ -15,6 +15,8 @@ from tests.matrix.cell import train_cell
 from tests.scalers import make_scaler
 
 INI = os.path.join(ROOT, "pytest.ini")  # not an xfails file
+# the child runs of the main job below are CPU work of ~30 s each: ci/cpu.sh runs them, the GPU gate leaves them out
+CHILD_MAIN_JOB = pytest.mark.slow
 
 
 @pytest.mark.parametrize("args, message", [
@@ -94,6 +96,7 @@ def _assert_ran_and_reported(proc, where, xfails: bool = True):
     assert (f"line 1: {STALE}" in report) == xfails, "the --xfails-file entry that matches nothing must be named"
 
 
+@CHILD_MAIN_JOB
 @pytest.mark.parametrize("xdist", [["-n", "2"], ["-p", "no:xdist"]], ids=["xdist", "no-xdist"])
 @pytest.mark.parametrize("space", [True, False], ids=["opt-PATH", "opt=PATH"])
 @pytest.mark.parametrize("place", ["suite-root", "consumer-dir"])
@@ -107,6 +110,7 @@ def test_every_option_works_in_both_forms_from_the_root_and_from_a_consumer(tmp_
     _assert_ran_and_reported(proc, where)
 
 
+@CHILD_MAIN_JOB
 def test_the_main_job_with_report_paths_in_the_space_form_runs_on_xdist_workers(tmp_path):
     """No test path, as the main job is typed, `--report PATH` with fresh paths: the run creates them before
     its workers start, and the workers must still read them as option values."""
@@ -125,6 +129,7 @@ def test_no_test_path_and_an_existing_path_in_the_space_form(tmp_path):
     _assert_ran_and_reported(proc, where)
 
 
+@CHILD_MAIN_JOB
 def test_a_consumer_with_its_own_pytest_configuration_is_told_to_name_the_suites(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # the consumer's own configuration, which pytest finds
     (tmp_path / "suite").symlink_to(ROOT)                # first: the suite is a submodule, its outputs beside it

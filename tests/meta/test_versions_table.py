@@ -18,7 +18,8 @@ from tests.child_run import ROOT, clean_env
 from tests.records import Report, Unmatched
 from tests.version_table import BugCell, Status
 
-pytestmark = pytest.mark.harness
+# slow: child pytest runs, CPU work (~30 s each on the GPU machine): ci/cpu.sh runs them, the GPU gate leaves them out
+pytestmark = [pytest.mark.harness, pytest.mark.slow]
 
 CONFTEST = '''
 import os
