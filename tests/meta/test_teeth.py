@@ -52,12 +52,12 @@ def wrappers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory):
+    """One child run (a child's start-up costs more than these cells): ours and the mesh mutants under the built-in
+    FSDP2 plugged as a user's wrapper would be, and ours under the broken mesh wrappers."""
     specs = ["ours"] + [planted.SCALERS[m].spec for m in MESH_MUTANTS]
     fsdps = [f"{WRAPPERS}:fsdp2"] + [planted.WRAPPERS[b].spec for b in MESH_BROKEN]
-    return (child_run_once(tmp_path_factory, "teeth-mesh-scalers", ["tests/matrix/test_matrix.py"], MESH_SLICE,
-                           scalers=specs, marker="matrix"),
-            child_run_once(tmp_path_factory, "teeth-mesh-wrappers", ["tests/matrix/test_matrix.py"], MESH_SLICE,
-                           scalers=["ours"], fsdps=fsdps, marker="matrix"))
+    return child_run_once(tmp_path_factory, "teeth-mesh", ["tests/matrix/test_matrix.py"], MESH_SLICE,
+                          scalers=specs, fsdps=fsdps, marker="matrix")
 
 
 def test_ours_passes_every_cell_of_the_slice(scalers):
@@ -95,18 +95,17 @@ def test_a_broken_plugged_wrapper_fails_cells(wrappers, broken):
 
 
 def test_ours_and_a_correct_plugged_wrapper_pass_every_mesh_cell(meshes):
-    for run, impl in zip(meshes, (None, f"{WRAPPERS}:fsdp2")):
-        got = outcomes(run, scaler="ours", test="test_fsdp_matches_ddp", **({"impl": impl} if impl else {}))
-        assert "passed" in got and set(got) <= {"passed", "skipped"}, got
+    got = outcomes(meshes, scaler="ours", test="test_fsdp_matches_ddp", impl=f"{WRAPPERS}:fsdp2")
+    assert "passed" in got and set(got) <= {"passed", "skipped"}, got
 
 
 @pytest.mark.parametrize("mutant", MESH_MUTANTS)
 def test_a_scaler_defect_only_a_mesh_shows_fails_mesh_cells(meshes, mutant):
-    got = outcomes(meshes[0], scaler=planted.SCALERS[mutant].spec, test="test_fsdp_matches_ddp")
+    got = outcomes(meshes, scaler=planted.SCALERS[mutant].spec, test="test_fsdp_matches_ddp", impl=f"{WRAPPERS}:fsdp2")
     assert "failed" in got, f"{mutant}: no mesh cell failed ({got or 'no results'})"
 
 
 @pytest.mark.parametrize("broken", MESH_BROKEN)
 def test_a_broken_mesh_wrapper_fails_mesh_cells(meshes, broken):
-    got = outcomes(meshes[1], scaler="ours", test="test_fsdp_matches_ddp", impl=planted.WRAPPERS[broken].spec)
+    got = outcomes(meshes, scaler="ours", test="test_fsdp_matches_ddp", impl=planted.WRAPPERS[broken].spec)
     assert "failed" in got, f"{broken}: no mesh cell failed ({got or 'no results'})"
