@@ -175,26 +175,33 @@ def _later_pass(configs: list[dict], axis: str) -> list[dict]:
     return configs
 
 
+MESH_VARIED = tuple(a for a in FULL + PAIRWISE + (GROUPS,) if a not in ("impl", "world_size"))  # axes a mesh cell varies
+
+
+def _mesh_options(impl: str, mesh: str) -> list[dict]:
+    """Every valid config of the implementation on that mesh: world size MESH_WORLD_SIZE, the small model."""
+    fixed = dict(impl=impl, world_size=MESH_WORLD_SIZE, model=AXES[MODEL][0], mesh=mesh)
+    options = (dict(fixed, **dict(zip(MESH_VARIED, values)))
+               for values in itertools.product(*(_allowed(impl, a) for a in MESH_VARIED)))
+    return [c for c in options if valid(c)]
+
+
 def mesh_cells(impl: str) -> list[Cell]:
-    """The implementation's cells on each mesh but 1d: world size MESH_WORLD_SIZE, the small model, and every
-    valid pair of values of the other axes in some cell (greedy: the valid config covering most new pairs)."""
-    varied = tuple(a for a in FULL + PAIRWISE + (GROUPS,) if a not in ("impl", "world_size"))
-    fixed = dict(impl=impl, world_size=MESH_WORLD_SIZE, model=AXES[MODEL][0])
+    """The implementation's cells on each mesh but 1d: every valid pair of values of the varied axes in some cell
+    (greedy: the valid config covering most new pairs)."""
     out = []
     for mesh in _allowed(impl, MESH)[1:]:
-        options = [{**fixed, MESH: mesh, **dict(zip(varied, values))}
-                   for values in itertools.product(*(_allowed(impl, a) for a in varied))]
-        options = [c for c in options if valid(c)]
-        uncovered = set().union(*(_mesh_pairs(c, varied) for c in options))
+        options = _mesh_options(impl, mesh)
+        uncovered = set().union(*(_mesh_pairs(c) for c in options))
         while uncovered:
-            best = max(options, key=lambda c: len(_mesh_pairs(c, varied) & uncovered))
-            uncovered -= _mesh_pairs(best, varied)
+            best = max(options, key=lambda c: len(_mesh_pairs(c) & uncovered))
+            uncovered -= _mesh_pairs(best)
             out.append(Cell(**best))
     return out
 
 
-def _mesh_pairs(config: dict, varied: tuple) -> set:
-    return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(varied, 2)}
+def _mesh_pairs(config: dict) -> set:
+    return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(MESH_VARIED, 2)}
 
 
 def _valid_pairs(impl: str, later=LATER) -> set:
@@ -223,12 +230,8 @@ def missing_pairs(generated: list[Cell], impl: str) -> set:
 
 def missing_mesh_pairs(generated: list[Cell], impl: str, mesh: str) -> set:
     """Valid value pairs of the varied axes that no cell of this implementation on this mesh covers."""
-    varied = tuple(a for a in FULL + PAIRWISE + (GROUPS,) if a not in ("impl", "world_size"))
-    fixed = dict(impl=impl, world_size=MESH_WORLD_SIZE, model=AXES[MODEL][0], mesh=mesh)
-    valid_pairs = set().union(*(_mesh_pairs({**fixed, **dict(zip(varied, values))}, varied)
-                                for values in itertools.product(*(_allowed(impl, a) for a in varied))
-                                if valid({**fixed, **dict(zip(varied, values))})))
-    have = set().union(*(_mesh_pairs(vars(c), varied) for c in generated if c.impl == impl and c.mesh == mesh))
+    valid_pairs = set().union(*(_mesh_pairs(c) for c in _mesh_options(impl, mesh)))
+    have = set().union(*(_mesh_pairs(vars(c)) for c in generated if c.impl == impl and c.mesh == mesh))
     return valid_pairs - have
 
 
