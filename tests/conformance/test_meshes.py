@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import placement_params, run_at
+from tests.conformance.problem import PLACEMENTS, device_of, placement_params, run_at
 from tests.harness import cached_mesh
 from tests.scalers import make_scaler
 
@@ -69,18 +69,19 @@ def _local_shape(shape, placements, mesh_sizes) -> tuple:
     return tuple(out)
 
 
-def device_mesh(name: str):
+def device_mesh(name: str, device_type: str = "cpu"):
     """The named mesh (made once per rank process: harness.cached_mesh)."""
-    return cached_mesh("cpu", MESHES[name]["shape"], MESHES[name]["names"])
+    return cached_mesh(device_type, MESHES[name]["shape"], MESHES[name]["names"])
 
 
-def _mesh_step(spec: str, mesh_name: str, order: tuple, bad: tuple | None) -> dict:
+def _mesh_step(spec: str, placement: str, mesh_name: str, order: tuple, bad: tuple | None) -> dict:
     """Runs on a rank: one scaled step of params of `order`'s kinds; bad = (kind, rank) of the inf."""
     from torch.distributed.tensor import DTensor
 
     rank = dist.get_rank()
     table = MESHES[mesh_name]
-    mesh = device_mesh(mesh_name)
+    device = device_of(PLACEMENTS[placement]["params"][0])
+    mesh = device_mesh(mesh_name, device.type)
     g = torch.Generator().manual_seed(100 + rank)
     params, targets = [], []
     for kind in order:
@@ -88,14 +89,14 @@ def _mesh_step(spec: str, mesh_name: str, order: tuple, bad: tuple | None) -> di
         sub = None if dims is None else mesh if tuple(dims) == table["names"] else mesh[dims[0]]
         local = _local_shape(shape, placements, [] if dims is None else [mesh.size(mesh.mesh_dim_names.index(d))
                                                                           for d in dims])
-        p = (torch.randint(-8, 8, local, generator=g).float() / 8)
-        c = (torch.randint(-4, 4, local, generator=g).float() / 8)
+        p = (torch.randint(-8, 8, local, generator=g).float() / 8).to(device)
+        c = (torch.randint(-4, 4, local, generator=g).float() / 8).to(device)
         if dims is not None:
             p = DTensor.from_local(p, sub, [_placement(d) for d in placements], run_check=False)
         params.append(torch.nn.Parameter(p))
         targets.append(c)
-    s = make_scaler(spec, device="cpu", init_scale=INIT_SCALE, backoff_factor=BACKOFF)
-    s.scale(torch.ones(()))  # the scale's device: the loss's (here no loss: the grads are set directly)
+    s = make_scaler(spec, device=PLACEMENTS[placement]["scaler"], init_scale=INIT_SCALE, backoff_factor=BACKOFF)
+    s.scale(torch.ones((), device=device_of(PLACEMENTS[placement]["loss"])))  # the scale's device: the loss's (here no loss: the grads are set directly)
     for kind, p, c in zip(order, params, targets):
         grad = c * INIT_SCALE  # the scaled grad, exact
         if bad and kind == bad[0] and rank == bad[1]:
@@ -130,7 +131,7 @@ def _cases():
 @pytest.mark.parametrize("placement", placement_params(["cpu"]))
 @pytest.mark.parametrize("mesh, order, bad", list(_cases()))
 def test_every_rank_of_the_mesh_takes_the_same_decision(scaler, placement, mesh, order, bad):
-    out = run_at(placement, _mesh_step, scaler, mesh, order, bad, world_size=WORLD_SIZE)
+    out = run_at(placement, _mesh_step, scaler, placement, mesh, order, bad, world_size=WORLD_SIZE)
     want = (dict(stepped="not at all", scale=INIT_SCALE * BACKOFF) if bad else
             dict(stepped="exactly", scale=INIT_SCALE))
     assert out == [want] * WORLD_SIZE, (
