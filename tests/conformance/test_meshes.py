@@ -1,7 +1,7 @@
 """Meshes: DTensor grads of several placements in one optimizer, on a 1D and a 2D (dp x tp) device mesh.
 
 The contract on a mesh: every rank of the job takes the same step or skip decision and holds the same
-scale, whichever rank sees the inf, along whichever mesh dimension, in whichever param (sharded or
+scale, whichever rank sees the inf or NaN, along whichever mesh dimension, in whichever param (sharded or
 replicated along any dimension, on the whole mesh or a sub-mesh, or a plain tensor), and whichever param
 comes first in the optimizer (trainers put the decay group first, or the no-decay group of norms and
 biases, which tensor parallelism replicates).
@@ -42,8 +42,14 @@ MESHES = {
         "plain": (None, (), (2,)),
     }),
 }
-# the rank that sees the inf: along each mesh dimension from rank 0 in turn (on 1D: the far end)
+# the rank that sees the inf or NaN: along each mesh dimension from rank 0 in turn (on 1D: the far end)
 INF_RANKS = {"1d": {"dp": 3}, "2d": {"tp": 1, "dp": 2}}
+
+
+def _bad_value(order: tuple, kind: str) -> str:
+    """inf in the kinds at even positions of the order, NaN at odd ones: the rotations put every kind at every
+    position, so each kind gets both along each dim, at no extra cases."""
+    return "nan" if order.index(kind) % 2 else "inf"
 
 
 def _orders(mesh: str) -> list[tuple]:
@@ -75,7 +81,7 @@ def device_mesh(name: str, device_type: str = "cpu"):
 
 
 def _mesh_step(spec: str, placement: str, mesh_name: str, order: tuple, bad: tuple | None) -> dict:
-    """Runs on a rank: one scaled step of params of `order`'s kinds; bad = (kind, rank) of the inf."""
+    """Runs on a rank: one scaled step of params of `order`'s kinds; bad = (kind, rank, "inf" or "nan")."""
     from torch.distributed.tensor import DTensor
 
     rank = dist.get_rank()
@@ -96,11 +102,12 @@ def _mesh_step(spec: str, placement: str, mesh_name: str, order: tuple, bad: tup
         params.append(torch.nn.Parameter(p))
         targets.append(c)
     s = make_scaler(spec, device=PLACEMENTS[placement]["scaler"], init_scale=INIT_SCALE, backoff_factor=BACKOFF)
-    s.scale(torch.ones((), device=device_of(PLACEMENTS[placement]["loss"])))  # the scale's device: the loss's (here no loss: the grads are set directly)
+    # the scale's device: the loss's (here no loss: the grads are set directly)
+    s.scale(torch.ones((), device=device_of(PLACEMENTS[placement]["loss"])))
     for kind, p, c in zip(order, params, targets):
         grad = c * INIT_SCALE  # the scaled grad, exact
         if bad and kind == bad[0] and rank == bad[1]:
-            grad.view(-1)[0] = math.inf
+            grad.view(-1)[0] = math.inf if bad[2] == "inf" else math.nan
         p.grad = grad if not isinstance(p.data, DTensor) else DTensor.from_local(
             grad, p.device_mesh, p.placements, run_check=False)
     opt = torch.optim.SGD(params, lr=LR, foreach=False)  # one loop: DTensors and plain tensors in one list
@@ -124,8 +131,10 @@ def _cases():
             oid = "-".join(order)
             yield pytest.param(mesh, order, None, id=f"{mesh}-{oid}-clean")
             for kind in order:
+                value = _bad_value(order, kind)
                 for along, rank in INF_RANKS[mesh].items():
-                    yield pytest.param(mesh, order, (kind, rank), id=f"{mesh}-{oid}-inf_in_{kind}_on_rank{rank}_{along}")
+                    yield pytest.param(mesh, order, (kind, rank, value),
+                                       id=f"{mesh}-{oid}-{value}_in_{kind}_on_rank{rank}_{along}")
 
 
 @pytest.mark.parametrize("placement", placement_params(["cpu"]))
@@ -136,5 +145,5 @@ def test_every_rank_of_the_mesh_takes_the_same_decision(scaler, placement, mesh,
             dict(stepped="exactly", scale=INIT_SCALE))
     assert out == [want] * WORLD_SIZE, (
         f"params in the order {list(order)} on the {mesh} mesh, "
-        f"{'inf in %s on rank %d' % bad if bad else 'clean'}: every rank must "
+        f"{'%s in %s on rank %d' % (bad[2], bad[0], bad[1]) if bad else 'clean'}: every rank must "
         f"{'skip and back off' if bad else 'step exactly and keep its scale'}; per rank: {out}")
