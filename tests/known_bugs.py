@@ -91,7 +91,7 @@ FUSED = "test_an_overflow_skips_a_fused_optimizer_exactly"  # param `fused`: the
 STEP_COUNTER_FUSED = ("Adam", "AdamW", "Adagrad")  # fused optimizers whose state has a shape-[] step counter
 # fused optimizers by the torch versions on which torch's scalers hand them found_inf (GradScaler's fused path):
 # fused Adagrad joined it in torch 2.12; on 2.11 the scalers treat it as any other optimizer (seen on the GPU
-# machine: its checks pass there for torch_sharded and fairscale_sharded)
+# machine: its checks pass there for torch_sharded and fairscale_sharded; on CPU, 2.12.0 and 2.13.0 fail them)
 SCALER_FUSED_PATH_TORCH = {"Adam": "", "AdamW": "", "SGD": "", "Adagrad": ">=2.12"}
 
 
