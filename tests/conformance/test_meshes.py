@@ -10,13 +10,12 @@ No FSDP: each rank builds its local shards and their grads (c * scale, exact) it
 scaler through one SGD. Four gloo ranks on CPU; the 2D mesh is [[0, 1], [2, 3]] with dims (dp, tp), so
 rank 1 differs from rank 0 along tp and rank 2 along dp.
 """
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import PLACEMENTS, device_of, placement_params, run_at
+from tests.conformance.problem import INF_VALUES, PLACEMENTS, device_of, placement_params, run_at
 from tests.harness import cached_mesh
 from tests.scalers import make_scaler
 
@@ -81,7 +80,7 @@ def device_mesh(name: str, device_type: str = "cpu"):
 
 
 def _mesh_step(spec: str, placement: str, mesh_name: str, order: tuple, bad: tuple | None) -> dict:
-    """Runs on a rank: one scaled step of params of `order`'s kinds; bad = (kind, rank, "inf" or "nan")."""
+    """Runs on a rank: one scaled step of params of `order`'s kinds; bad = (kind, rank, a key of INF_VALUES)."""
     from torch.distributed.tensor import DTensor
 
     rank = dist.get_rank()
@@ -107,7 +106,7 @@ def _mesh_step(spec: str, placement: str, mesh_name: str, order: tuple, bad: tup
     for kind, p, c in zip(order, params, targets):
         grad = c * INIT_SCALE  # the scaled grad, exact
         if bad and kind == bad[0] and rank == bad[1]:
-            grad.view(-1)[0] = math.inf if bad[2] == "inf" else math.nan
+            grad.view(-1)[0] = INF_VALUES[bad[2]]
         p.grad = grad if not isinstance(p.data, DTensor) else DTensor.from_local(
             grad, p.device_mesh, p.placements, run_check=False)
     opt = torch.optim.SGD(params, lr=LR, foreach=False)  # one loop: DTensors and plain tensors in one list
