@@ -99,6 +99,7 @@ def on_scalers_fused_path(params) -> bool:
     """A fused-optimizer check (test_fused_optimizers.py) whose optimizer takes GradScaler's fused path here."""
     return "fused" in params and versions.holds(torch=SCALER_FUSED_PATH_TORCH[params["fused"]])
 MESH = "test_every_rank_of_the_mesh_takes_the_same_decision"  # params: mesh, order, bad (test_meshes.py)
+FSDP2 = "test_fsdp2_dtensor_grads_agree_across_ranks"  # params: bad (test_fsdp2.py)
 MATRIX = "test_fsdp_matches_ddp"
 CPU_SCALE = ("cpu", "cpu_loss", "mixed_cpu_scale")  # placements where the scale tensor lives on CPU
 CPU_GRADS_CUDA_SCALE = ("offload", "mixed")
@@ -245,6 +246,24 @@ KNOWN_BUGS = [
                                     and params["order"][0] in ("replicated", "expert")),
          title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only (FSDP2 HSDP: "
                "one replica)"),
+    _bug("fairscale-cpu-found-inf-not-agreed-dtensor", {"fairscale_sharded"}, {MESH, FSDP2},
+         "fairscale ShardedGradScaler predates DTensor: with DTensor grads on CPU (FSDP2 or tensor parallelism on "
+         "a CPU mesh) it checks each rank's local shard in a Python loop and all-reduces the CPU found_inf on a "
+         "CUDA copy whose result it throws away (fairscale-cpu-found-inf-not-agreed), so only the rank whose shard "
+         "holds the inf or NaN skips and backs off, whatever the mesh dim, the placement or the param order "
+         "(seen on torch 2.11, one GPU)",
+         when=lambda params, cuda: cuda and bool(params.get("bad")) and params.get("placement", "cpu") == "cpu",
+         fairscale=FAIRSCALE_0_4_13,
+         title="DTensor grads on CPU: found_inf never agreed; only the rank whose shard overflowed skips"),
+    _bug("fairscale-dtensor-mixed-with-tensor-grads", {"fairscale_sharded"}, {MESH},
+         "fairscale ShardedGradScaler unscales CUDA grads as torch's scalers do, one "
+         "torch._amp_foreach_non_finite_check_and_unscale_ call per device and dtype "
+         "(dtensor-mixed-with-tensor-grads): one optimizer holding DTensor and plain tensor params on CUDA raises "
+         "RuntimeError: ... got mixed torch.Tensor and DTensor (its CPU grads go through a per-tensor Python "
+         "loop, which does not; seen on torch 2.11, one GPU)",
+         when=lambda params, cuda: params.get("placement") == "cuda" and "plain" in params.get("order", ()),
+         fairscale=FAIRSCALE_0_4_13,
+         title="DTensor and plain tensor grads on CUDA in one optimizer: the unscale kernel call raises"),
     # ---- the FSDP-vs-DDP matrix (tests/matrix)
     _bug("torch-amp-not-shard-aware-fsdp", {"torch_amp"}, {MATRIX},
          "torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1 (and fairscale) an inf in one "
@@ -360,12 +379,9 @@ RACE_FREE_TESTS = {BUSY, "test_scale_multiplies_tensors_and_keeps_structure", "t
 
 
 def race_skip_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str | None:
-    """Cells of built-ins whose outcome on a CUDA machine is not deterministic (or not yet known)."""
+    """Cells of built-ins whose outcome on a CUDA machine is not deterministic."""
     if not cuda:
         return None
-    if spec == "fairscale_sharded" and test_name in ("test_fsdp2_dtensor_grads_agree_across_ranks", MESH):
-        # fairscale predates DTensor; on CPU it disables itself (a strict xfail above)
-        return "fairscale_sharded with DTensor grads on a CUDA machine: not yet characterised"
     placement = check_param(params, "placement", cuda)
     if spec in RACY_SCALERS and placement in RACY_PLACEMENTS and test_name not in RACE_FREE_TESTS:
         return (f"{spec} on placement {placement!r} is timing-dependent (the async-copy race, known bug "

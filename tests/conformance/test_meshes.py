@@ -7,8 +7,9 @@ comes first in the optimizer (trainers put the decay group first, or the no-deca
 biases, which tensor parallelism replicates).
 
 No FSDP: each rank builds its local shards and their grads (c * scale, exact) itself and hands them to the
-scaler through one SGD. Four gloo ranks on CPU; the 2D mesh is [[0, 1], [2, 3]] with dims (dp, tp), so
-rank 1 differs from rank 0 along tp and rank 2 along dp.
+scaler through one SGD. Four gloo ranks, the grads on CPU (placement cpu) or on the one GPU they share
+(cuda); the 2D mesh is [[0, 1], [2, 3]] with dims (dp, tp), so rank 1 differs from rank 0 along tp and
+rank 2 along dp.
 """
 
 import pytest
@@ -136,7 +137,7 @@ def _cases():
                                        id=f"{mesh}-{oid}-{value}_in_{kind}_on_rank{rank}_{along}")
 
 
-@pytest.mark.parametrize("placement", placement_params(["cpu"]))
+@pytest.mark.parametrize("placement", placement_params(["cpu", "cuda"]))
 @pytest.mark.parametrize("mesh, order, bad", list(_cases()))
 def test_every_rank_of_the_mesh_takes_the_same_decision(scaler, placement, mesh, order, bad):
     out = run_at(placement, _mesh_step, scaler, placement, mesh, order, bad, world_size=WORLD_SIZE)

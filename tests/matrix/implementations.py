@@ -184,8 +184,9 @@ def _fsdp2_needs(cell, n_gpus):
                 f"assumed on torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until one runs it); {n_gpus} GPU(s) visible")
     if cell.mesh == "tp" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
         return (f"tensor parallelism on CUDA at world size {ws} needs NCCL with one GPU per rank: its activations are "
-                f"CUDA DTensors whose redistributions are the functional collectives that segfault over gloo ranks "
-                f"sharing a GPU (see the FSDP2 reason; offload does not move activations); {n_gpus} GPU(s) visible")
+                f"CUDA DTensors, and over gloo ranks sharing a GPU the functional collectives segfault (seen on torch "
+                f"2.11: SIGSEGV in full_tensor's wait_tensor, redistributing (_StridedShard, Shard) "
+                f"to Replicate); {n_gpus} GPU(s) visible")
     return None
 
 
