@@ -9,22 +9,27 @@ cd "$(dirname "$0")/.."
 OUT="${1:?usage: ci/gpu.sh OUT_DIR [pytest args]}"
 shift
 mkdir -p "$OUT"
-GPUS=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-if [ "$GPUS" -eq 0 ]; then
+# the GPU count, and the CUDA contexts the rank pools may keep on one GPU across workers
+# (tests/harness/budget.py: GPU memory over CONTEXT_GIB, or FSDP_AMP_GPU_CONTEXTS; a worker's pools hold up to
+# 1 + 2 + 4 of them at once), from one Python start-up (importing torch there takes seconds)
+read -r GPUS CONTEXTS TORCH < <(python3 -c "
+import torch
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+if n:
+    from tests.harness.ranks import context_budget
+print(n, context_budget(0) if n else 0, torch.__version__)") || { echo "ci/gpu.sh: python3 cannot import torch" >&2; exit 2; }
+if [ "${GPUS:-0}" -eq 0 ]; then
   echo "ci/gpu.sh: torch sees no GPU; use ci/cpu.sh" >&2
   exit 2
 fi
 CORES=$(nproc)
-# CUDA contexts the rank pools may keep on one GPU across workers (tests/harness/budget.py: GPU memory
-# over CONTEXT_GIB, or FSDP_AMP_GPU_CONTEXTS); a worker's pools hold up to 1 + 2 + 4 of them at once
-CONTEXTS=$(python3 -c "from tests.harness.ranks import context_budget; print(context_budget(0))")
 # one xdist worker per 2 cores, at most 8 (more did not help: 14 on 16 cores was slower), and no more
 # than the GPU's context budget keeps alive without pools taking turns
 WORKERS=$(( CORES / 2 < 8 ? (CORES / 2 > 0 ? CORES / 2 : 1) : 8 ))
 WORKERS=$(( CONTEXTS / 7 < WORKERS ? (CONTEXTS / 7 > 0 ? CONTEXTS / 7 : 1) : WORKERS ))
-echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> pytest -n $WORKERS; torch $(python3 -c 'import torch; print(torch.__version__)')"
+echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> pytest -n $WORKERS; torch $TORCH"
 # the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
-# the slow meta-tests (planted defects, adoption, torchrun, the child runs of the main job in test_options and
+# the slow meta-tests (planted defects, adoption, torchrun, the child runs in test_options and
 # test_versions_table) are CPU work, run by ci/cpu.sh
 python3 -m pytest -n "$WORKERS" -m "not slow" tests/conformance tests/matrix tests/repro tests/meta \
   --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"

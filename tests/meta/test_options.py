@@ -17,6 +17,9 @@ from tests.scalers import make_scaler
 INI = os.path.join(ROOT, "pytest.ini")  # not an xfails file
 # the child runs of the main job below are CPU work of ~30 s each: ci/cpu.sh runs them, the GPU gate leaves them out
 CHILD_MAIN_JOB = pytest.mark.slow
+# child runs that stop at start-up on a usage error: option parsing, no GPU path (~8 s each on the GPU machine,
+# most of it importing torch): CPU work as well
+CHILD_USAGE_ERROR = pytest.mark.slow
 
 
 @pytest.mark.parametrize("args, message", [
@@ -30,6 +33,7 @@ CHILD_MAIN_JOB = pytest.mark.slow
     (["--xfails-file", "/nonexistent/x.txt"], "--xfails-file '/nonexistent/x.txt': cannot be read (No such file"),
     (["--xfails-file", INI], f"--xfails-file {INI!r} line 1: '[pytest]' is not a test id"),
 ])
+@CHILD_USAGE_ERROR
 def test_a_bad_option_is_a_usage_error_naming_it(pytester, monkeypatch, args, message):
     result = runpytest(pytester, monkeypatch, os.path.join(ROOT, "tests/matrix/test_axes.py"), "-p", "no:xdist",
                        "--co", "-q", *args, timeout=120)

@@ -44,10 +44,23 @@ def test_the_repro_case_runs_on_a_plugged_scaler_under_pytest(pytester, monkeypa
     result.assert_outcomes(**outcome)
 
 
-def test_every_repro_file_passes_a_correct_plugged_scaler(pytester, monkeypatch):
+def _repro_files_in_parts(parts: int) -> list[list[str]]:
+    """The repro files dealt into `parts` child runs (one run of them all was the GPU gate's longest test, 82 s):
+    the files with a case that runs without CUDA first, so that every part has something to pass on CPU too."""
+    from tests.repro.runner import cases, names
+
+    def cpu_runnable(name):
+        return any(case.repro.repro_of.needs != "cuda" for case in cases(name))
+
+    ordered = sorted(names(), key=lambda name: not cpu_runnable(name))
+    return [[f"tests/repro/test_{name}.py" for name in ordered[i::parts]] for i in range(parts)]
+
+
+@pytest.mark.parametrize("files", _repro_files_in_parts(3), ids=["part1", "part2", "part3"])
+def test_every_repro_file_passes_a_correct_plugged_scaler(pytester, monkeypatch, files):
     """A correct scaler plugged in by spec is judged by its outcomes alone: no case may look its spec up in a
     table keyed by the built-in names (one did, and failed a correct plugged scaler with a KeyError)."""
-    result = runpytest(pytester, monkeypatch, os.path.join(ROOT, "tests", "repro"), "-p", "no:xdist",
+    result = runpytest(pytester, monkeypatch, *(os.path.join(ROOT, f) for f in files), "-p", "no:xdist",
                        "--scaler", "scaler_impl:make_scaler")
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) > 0 and not outcomes.get("failed") and not outcomes.get("errors"), (
