@@ -9,12 +9,14 @@ The MODEL and GROUPS axes are covered pairwise too, in later passes over those c
 everywhere, each other value in as few cells as cover each of its pairs, so the other axes' choices (and the
 cells and ids that existed before the axis) stay as they were.
 The MESH axis adds cells: its first value (1d) is every cell above; each other mesh gets its own cells, at
-world size 4 (a 2x2 mesh), pairwise over every axis that varies there (mesh_cells).
+world size 4 (a 2x2 mesh), pairwise over every axis that varies there; then, at world size 8, a few cells per
+SHAPE (2x4, 4x2) that meet every value of those axes once (mesh_cells).
 """
 from __future__ import annotations
 
 import collections
 import itertools
+import math
 from dataclasses import astuple, dataclass, fields
 
 from tests.matrix import implementations
@@ -47,13 +49,15 @@ AXES = {
                                                # shard) mesh, FSDP1 HYBRID_SHARD / FSDP2 on the 2D mesh; tp: a
                                                # 2x2 (dp, tp) mesh, a Colwise/Rowwise TP plan on tp, then FSDP2
                                                # over dp (cell.TP_PLAN)
+    "shape": ((2, 2), (2, 4), (4, 2)),         # a mesh's (dim 0, dim 1) sizes, ids 2x2 ...: 2x2 at world size 4;
+                                               # 2x4 and 4x2 at world size 8 (only with 8 GPUs). 1d cells: unused
 }
 FULL = ("impl", "offload", "precision", "wrapping", "world_size")
 PAIRWISE = ("params", "reshard", "optimizer", "grads", "clip")
 MODEL = "model"  # pairwise, in a second pass; its first value is the default and is left out of ids
 GROUPS = "groups"  # pairwise, in a third pass; likewise
 MESH = "mesh"  # extra cells (mesh_cells); its first value is every other cell's, left out of ids
-MESH_WORLD_SIZE = 4  # a 2x2 mesh: runs on CPU and on one GPU (8: 2x4 / 4x2 would need 8 GPUs)
+SHAPE = "shape"  # of the mesh cells; its first value (2x2: runs on CPU and on one GPU) is left out of ids
 LATER = (MODEL, GROUPS)  # the axes of the later passes, in order
 ONLY = {  # (implementation, axis) -> the values it has; others are invalid
     ("fsdp2", "params"): ("orig",),
@@ -104,15 +108,21 @@ class Cell:
     model: str = AXES[MODEL][0]
     groups: str = AXES[GROUPS][0]
     mesh: str = AXES[MESH][0]
+    shape: tuple = AXES[SHAPE][0]
 
     @property
     def id(self) -> str:
-        return "-".join(f"ws{v}" if f.name == "world_size" else spec_id(str(v))
-                        for f, v in zip(fields(self), astuple(self))
-                        if not (f.name in (MODEL, GROUPS, MESH) and v == AXES[f.name][0]))
+        return "-".join(_id_part(f.name, v) for f, v in zip(fields(self), astuple(self))
+                        if not (f.name in (MODEL, GROUPS, MESH, SHAPE) and v == AXES[f.name][0]))
 
     def __str__(self) -> str:
         return self.id
+
+
+def _id_part(axis: str, value) -> str:
+    if axis == "world_size":
+        return f"ws{value}"
+    return "x".join(map(str, value)) if axis == SHAPE else spec_id(str(value))
 
 
 def _allowed(impl: str, axis: str) -> tuple:
@@ -178,30 +188,38 @@ def _later_pass(configs: list[dict], axis: str) -> list[dict]:
 MESH_VARIED = tuple(a for a in FULL + PAIRWISE + (GROUPS,) if a not in ("impl", "world_size"))  # axes a mesh cell varies
 
 
-def _mesh_options(impl: str, mesh: str) -> list[dict]:
-    """Every valid config of the implementation on that mesh: world size MESH_WORLD_SIZE, the small model."""
-    fixed = dict(impl=impl, world_size=MESH_WORLD_SIZE, model=AXES[MODEL][0], mesh=mesh)
+def _mesh_options(impl: str, mesh: str, shape: tuple) -> list[dict]:
+    """Every valid config of the implementation on that mesh and shape (its world size), the small model."""
+    fixed = dict(impl=impl, world_size=math.prod(shape), model=AXES[MODEL][0], mesh=mesh, shape=shape)
     options = (dict(fixed, **dict(zip(MESH_VARIED, values)))
                for values in itertools.product(*(_allowed(impl, a) for a in MESH_VARIED)))
     return [c for c in options if valid(c)]
 
 
 def mesh_cells(impl: str) -> list[Cell]:
-    """The implementation's cells on each mesh but 1d: every valid pair of values of the varied axes in some cell
-    (greedy: the valid config covering most new pairs)."""
+    """The implementation's cells on each mesh but 1d (greedy: the valid config covering most of what is left):
+    on the 2x2 shape every valid pair of values of the varied axes; on each other shape (world size 8) every
+    value once, so the shape meets each value (its pairs with the rest are covered at 2x2, which more
+    machines run)."""
     out = []
     for mesh in _allowed(impl, MESH)[1:]:
-        options = _mesh_options(impl, mesh)
-        uncovered = set().union(*(_mesh_pairs(c) for c in options))
-        while uncovered:
-            best = max(options, key=lambda c: len(_mesh_pairs(c) & uncovered))
-            uncovered -= _mesh_pairs(best)
-            out.append(Cell(**best))
+        for shape in AXES[SHAPE]:
+            covers = _mesh_pairs if shape == AXES[SHAPE][0] else _mesh_values
+            options = _mesh_options(impl, mesh, shape)
+            uncovered = set().union(*(covers(c) for c in options))
+            while uncovered:
+                best = max(options, key=lambda c: len(covers(c) & uncovered))
+                uncovered -= covers(best)
+                out.append(Cell(**best))
     return out
 
 
 def _mesh_pairs(config: dict) -> set:
     return {((a, config[a]), (b, config[b])) for a, b in itertools.combinations(MESH_VARIED, 2)}
+
+
+def _mesh_values(config: dict) -> set:
+    return {(a, config[a]) for a in MESH_VARIED}
 
 
 def _valid_pairs(impl: str, later=LATER) -> set:
@@ -229,10 +247,20 @@ def missing_pairs(generated: list[Cell], impl: str) -> set:
 
 
 def missing_mesh_pairs(generated: list[Cell], impl: str, mesh: str) -> set:
-    """Valid value pairs of the varied axes that no cell of this implementation on this mesh covers."""
-    valid_pairs = set().union(*(_mesh_pairs(c) for c in _mesh_options(impl, mesh)))
-    have = set().union(*(_mesh_pairs(vars(c)) for c in generated if c.impl == impl and c.mesh == mesh))
+    """Valid value pairs of the varied axes that no 2x2 cell of this implementation on this mesh covers."""
+    shape = AXES[SHAPE][0]
+    valid_pairs = set().union(*(_mesh_pairs(c) for c in _mesh_options(impl, mesh, shape)))
+    have = set().union(*(_mesh_pairs(vars(c)) for c in generated
+                         if c.impl == impl and c.mesh == mesh and c.shape == shape))
     return valid_pairs - have
+
+
+def missing_mesh_values(generated: list[Cell], impl: str, mesh: str, shape: tuple) -> set:
+    """Valid values of the varied axes that no cell of this implementation on this mesh and shape has."""
+    valid_values = set().union(*(_mesh_values(c) for c in _mesh_options(impl, mesh, shape)))
+    have = set().union(*(_mesh_values(vars(c)) for c in generated
+                         if c.impl == impl and c.mesh == mesh and c.shape == shape))
+    return valid_values - have
 
 
 def skip_reason(cell: Cell, n_gpus: int) -> str | None:

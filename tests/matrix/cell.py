@@ -23,10 +23,10 @@ An injected value reaches every rank of the reference (DDP grads are replicated)
 has two param groups wherever there are two params (same hyperparameters, so FSDP's flat params
 need not split like DDP's): the injected grads sit in different groups.
 
-On a mesh (axes.AXES["mesh"]) the world is a 2x2 DeviceMesh. hsdp: every rank is data parallel, as
-on 1d. tp: the ranks of one dp group hold TP shards of one replica and get the same micro-batch, so
-the reference is DDP over the dp group; the injections go into a TP-sharded grad on the last rank
-and a TP-replicated grad (a Rowwise bias) on rank 0 (TP_INJECTIONS).
+On a mesh (axes.AXES["mesh"]) the world is a 2D DeviceMesh of the cell's shape (2x2; 2x4 or 4x2 on 8 GPUs).
+hsdp: every rank is data parallel, as on 1d. tp: the ranks of one dp group hold TP shards of one replica and
+get the same micro-batch, so the reference is DDP over the dp group; the injections go into a TP-sharded grad
+on the last rank and a TP-replicated grad (a Rowwise bias) on rank 0 (TP_INJECTIONS).
 """
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ class Injection(NamedTuple):
 INJECTIONS = {INJECT_STEP: Injection("last", "last", math.inf), OVERFLOW_STEP: Injection("first", "first", -math.inf)}
 TP_INJECTIONS = {INJECT_STEP: Injection("last", "last", math.inf, tp="sharded"),
                  OVERFLOW_STEP: Injection("first", "first", -math.inf, tp="replicated")}
-# mesh -> its shape and dim names (1d has none: FSDP shards over the world's one group)
-MESHES = {"hsdp": ((2, 2), ("replicate", "shard")), "tp": ((2, 2), ("dp", "tp"))}
+# mesh -> its dim names (1d has none: FSDP shards over the world's one group); the cell gives the shape
+MESH_DIMS = {"hsdp": ("replicate", "shard"), "tp": ("dp", "tp")}
 # the tp cells' plan on build_model(even=True): two Colwise/Rowwise pairs; the Rowwise biases are TP-replicated
 TP_PLAN = {"0.lin": "colwise", "1.lin": "rowwise", "1.inner.lin": "colwise", "2": "rowwise"}
 GLOBAL_BATCH = 16  # split evenly over 1, 2, 4 or 8 ranks
@@ -102,8 +102,9 @@ class Fan(nn.Module):
 
 def build_model(kind: str = "small", even: bool = False) -> nn.Module:
     """small: uneven shapes (13 and 3 rows shard unevenly; the head's 3 rows leave rank 3 of 4 empty). even (tp
-    cells): its widths rounded to even ones, which TP_PLAN splits evenly over tp (DTensor infers a sharded
-    activation's global shape from its local one, so uneven TP shards of activations are not an option).
+    cells): its widths rounded to multiples of 4, which TP_PLAN splits evenly over a tp dim of 2 or 4 (DTensor
+    infers a sharded activation's global shape from its local one, so uneven TP shards of activations are not
+    an option).
     wide (the model axis): what a real model hands the scaler, hundreds of grads (150 linears side by side:
     310 params) and a weight of 1100 x 256 = 281600 elements, more than four 65536-element chunks of CUDA's
     multi-tensor kernels (more than one in each rank's shard at world size 4)."""
@@ -112,7 +113,7 @@ def build_model(kind: str = "small", even: bool = False) -> nn.Module:
         return nn.Sequential(Block(7, 256), Block(256, 1100, inner=Block(1100, 11)), Block(11, 11, inner=Fan(11, 150)),
                              nn.Linear(11, 3))
     if even:
-        return nn.Sequential(Block(7, 12), Block(12, 10, inner=Block(10, 10)), nn.Linear(10, 3))
+        return nn.Sequential(Block(7, 12), Block(12, 8, inner=Block(8, 8)), nn.Linear(8, 3))
     return nn.Sequential(Block(7, 13), Block(13, 11, inner=Block(11, 11)), nn.Linear(11, 3))
 
 
@@ -307,7 +308,7 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     device = rank_device()
     dtype = DTYPES[cell.precision]
     base = build_model(cell.model, even=cell.mesh == "tp")
-    mesh = cached_mesh(device.type, *MESHES[cell.mesh]) if cell.mesh in MESHES else None
+    mesh = cached_mesh(device.type, cell.shape, MESH_DIMS[cell.mesh]) if cell.mesh in MESH_DIMS else None
     dp_rank, dp_size, dp_group = data_parallel(cell, mesh)
     settings = Settings(device=device, dtype=dtype, offload=cell.offload == "offload",
                         nested=cell.wrapping == "nested", block_cls=Block, flat_params=cell.params == "flat",

@@ -24,7 +24,19 @@ def test_every_valid_pair_is_covered_on_each_mesh(impl, mesh):
     cells = axes.cells()
     assert not axes.missing_mesh_pairs(cells, impl, mesh)
     mine = [c for c in cells if c.impl == impl and c.mesh == mesh]
-    assert mine and {(c.world_size, c.model) for c in mine} == {(axes.MESH_WORLD_SIZE, "small")}
+    assert {(c.shape, c.world_size, c.model) for c in mine} == {((2, 2), 4, "small"), ((2, 4), 8, "small"),
+                                                                 ((4, 2), 8, "small")}
+
+
+@pytest.mark.parametrize("impl, mesh", [(i, m) for i in axes.AXES["impl"] for m in axes.AXES["mesh"][1:]
+                                        if m in axes._allowed(i, "mesh")])
+def test_each_eight_rank_shape_meets_every_value_in_few_cells(impl, mesh):
+    """2x4 and 4x2 (world size 8: only on 8 GPUs) meet every value of the varied axes once; their pairs are the
+    2x2 cells' job (the test above), so they cost few cells."""
+    cells = axes.cells()
+    for shape in axes.AXES["shape"][1:]:
+        assert not axes.missing_mesh_values(cells, impl, mesh, shape)
+        assert 0 < len([c for c in cells if (c.impl, c.mesh, c.shape) == (impl, mesh, shape)]) <= 4
 
 
 def test_mesh_cells_are_added_and_only_where_the_implementation_has_the_mesh():
@@ -50,6 +62,7 @@ def test_ids_are_unique_and_read_like_the_config():
     # the model, groups and mesh axes name only their other values: ids from before the axes stay valid
     assert axes.Cell(*vars(c).values()).model == "small" and axes.Cell(**{**vars(c), "model": "wide"}).id == c.id + "-wide"
     assert axes.Cell(**{**vars(c), "groups": "nodecayfirst", "mesh": "hsdp"}).id == c.id + "-nodecayfirst-hsdp"
+    assert axes.Cell(**{**vars(c), "mesh": "tp", "shape": (4, 2)}).id == c.id + "-tp-4x2"
 
 
 def test_the_wide_model_meets_every_value_of_every_axis_in_few_cells():
