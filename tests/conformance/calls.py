@@ -26,13 +26,13 @@ import torch
 
 from tests.conformance.problem import (INF_VALUES, Problem, ScalerModel, build_scaler, grad_overflows, local,
                                        scaled_grad, unscaled)
+from tests.conformance.meshes import R, on_mesh
 from tests.harness import cached_group, cached_mesh
 
 N_PARAMS = 4  # one optimizer: all four; two: params 0-1 and 2-3
 # config["groups"] -> the ranks of each process group; "mesh": one group, the params DTensors on MESH
 GROUPS = {"world": [[0, 1]], "halves": [[0, 1], [2, 3]], "mesh": [[0, 1, 2, 3]]}
 MESH = ((2, 2), ("dp", "tp"))  # shape and dim names: rank 1 differs from rank 0 along tp, rank 2 along dp
-R = None  # Replicate() along that mesh dim; an int d: Shard(d)
 # config["kinds"][i] -> param i's mesh dims and its placement along each (its local shard is the Problem's)
 MESH_KINDS = {
     "sharded": (("dp", "tp"), (0, 0)),        # a TP-sharded weight under FSDP over dp
@@ -80,20 +80,6 @@ def process_groups(config: dict) -> list:
     return [cached_group(ranks) for ranks in groups_of(config)]
 
 
-def on_mesh(params: list, kinds: list) -> list:
-    """The params as DTensors of their kinds (MESH_KINDS) on MESH, each rank's own values as its local shard."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    mesh = cached_mesh(params[0].device.type, *MESH)
-    out = []
-    for p, kind in zip(params, kinds):
-        dims, placements = MESH_KINDS[kind]
-        sub = mesh if len(dims) == 2 else mesh[dims[0]]
-        out.append(DTensor.from_local(p.detach(), sub, [Replicate() if d is R else Shard(d) for d in placements],
-                                      run_check=False).requires_grad_())
-    return out
-
-
 def holds(config: dict, rank: int, param: int) -> bool:
     """Does this rank's shard of the param have elements?"""
     return not (config.get("empty") == param and rank == EMPTY_ON_RANK)
@@ -109,8 +95,10 @@ class Rank:
         self.pb = Problem(placement, dtype=dtypes_of(config), n_params=N_PARAMS, seed_offset=rank, peak=True,
                           numel=[6 if holds(config, rank, i) else 0 for i in range(N_PARAMS)],
                           transposed=config.get("transposed", ()))
-        if config.get("kinds"):
-            self.pb.params = on_mesh(self.pb.params, config["kinds"])
+        if config.get("kinds"):  # each rank's values as its local shard of a DTensor of the param's kind
+            mesh = cached_mesh(self.pb.params[0].device.type, *MESH)
+            self.pb.params = [on_mesh(p.detach(), mesh, *MESH_KINDS[kind]).requires_grad_()
+                              for p, kind in zip(self.pb.params, config["kinds"])]
         n_opt = config["n_optimizers"]
         self.members = [[i for i in range(N_PARAMS) if owner(i, n_opt) == o] for o in range(n_opt)]
         self.opts = [torch.optim.SGD([self.pb.params[i] for i in m], lr=LR) for m in self.members]
