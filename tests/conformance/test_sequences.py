@@ -5,9 +5,7 @@ growth and backoff factors, and new scales, that need not be powers of two; inte
 optimizers, each param's dtype (fp32, fp16, bf16 in one optimizer; an fp16 grad overflows in backward at
 a high scale), params stored transposed (strided grads), a param whose shard is empty on rank 1, and the
 process groups: WORLD of 2 ranks, or 4 ranks in two halves with each scaler given its half (one model
-per group: an overflow in one half must not touch the other), or (cpu placement) 4 ranks on a 2x2 mesh,
-each param a DTensor of a drawn kind: sharded on both dims, replicated along tp or along dp, an expert's on
-the tp sub-mesh, in any order (one model: an overflow anywhere skips the whole job). Then a sequence of rules: a backward
+per group: an overflow in one half must not touch the other). Then a sequence of rules: a backward
 (reaching every param or only some, so grads appear late and vanish; clean, or inf / -inf / NaN in the
 first or last element of one grad on one rank; a second backward accumulates), an explicit unscale_ of
 either optimizer, a step of either, an update (or update(new_scale)), a checkpoint round trip into a
@@ -40,9 +38,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from tests.conformance.calls import (EMPTY_ON_RANK, GROUPS, MESH_KINDS, N_PARAMS, Backward, Keep, Load, Overflow,
-                                     ProblemModel, Rank, Resume, Step, Unscale, Update, advance_groups, as_data,
-                                     from_data, group_of, groups_of, holds, owner, world_size)
+from tests.conformance.calls import (EMPTY_ON_RANK, GROUPS, N_PARAMS, Backward, Keep, Load, Overflow, ProblemModel, Rank,
+                                     Resume, Step, Unscale, Update, advance_groups, as_data, from_data, group_of,
+                                     groups_of, holds, owner, world_size)
 from tests.conformance.problem import INF_VALUES, PLACEMENTS as DEVICES, placement_params, run_at
 
 pytestmark = pytest.mark.conformance
@@ -62,9 +60,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 # drawn only where no param is on CUDA, so that the sequences keep judging the torch scalers there
 CUDA_DTYPES = ("float32", "float16")
 KEPT_SLOTS = 2  # checkpoints kept in memory at once
-# the placements whose sequences may draw the "mesh" group (DTensor params): the one every machine runs. On the
-# others a new choice would change every derandomized draw, so their sequences stay those judged on the GPU
-MESH_PLACEMENTS = ("cpu",)
 # An overflow is injected only while the scale is >= 2**-100: every scaled grad c * scale (|c| >= 1/8)
 # then stays a normal float32, so "exactly unscaled" is exact arithmetic and not a subnormal's rounding.
 MIN_SCALE_FOR_OVERFLOW = 2.0**-100
@@ -159,14 +154,10 @@ class ScalerContract(RuleBasedStateMachine):
         # the shapes: params stored transposed (strided grads); one param's shard empty on rank 1
         transposed = data.draw(st.sets(st.integers(0, N_PARAMS - 1)), label="transposed")
         empty = data.draw(st.none() | st.integers(0, N_PARAMS - 1), label="empty on rank 1")
-        groups = data.draw(st.sampled_from(tuple(g for g in GROUPS if g != "mesh" or self.placement in MESH_PLACEMENTS)),
-                           label="process groups")
+        groups = data.draw(st.sampled_from(tuple(GROUPS)), label="process groups")
         self.config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                            growth_interval=growth_interval, n_optimizers=n_optimizers, dtypes=dtypes,
                            transposed=sorted(transposed), empty=empty, groups=groups)
-        if groups == "mesh":  # each param's placements on the mesh; the param order is the optimizer's
-            self.config["kinds"] = data.draw(st.lists(st.sampled_from(tuple(MESH_KINDS)), min_size=N_PARAMS,
-                                                      max_size=N_PARAMS), label="mesh kinds")
         self.models = models_of(self.config)
         self.model = self.models[0]  # the stages, backward count and kept slots are the same in every group
 
