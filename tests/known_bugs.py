@@ -80,6 +80,7 @@ def _bug(bug_id, scalers, tests, reason, when=None, beats_race=False, torch=ANY_
 
 
 SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"  # the stateful test (test_sequences.py)
+MESH_SEQUENCES = "test_every_sequence_on_a_mesh_follows_the_contract"  # the same, params DTensors on a 2x2 mesh
 NOT_SHARD_AWARE = {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", "test_ranks_keep_scale_in_lockstep",
                    "test_each_optimizer_agrees_across_ranks", "test_inf_on_some_ranks_over_nccl",
                    "test_rank_without_grads_takes_part", "test_unmatched_step_surfaces_as_a_hang_in_bounded_time",
@@ -161,7 +162,7 @@ KNOWN_BUGS = [
          when=where(world_size=2, bad=True, placement="cuda"),
          title="no agreement on found_inf across ranks, in the busy-GPU check"),
     # before the torch one: fairscale with its scale on CPU has more than that bug for a sequence to reach
-    _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"}, {SEQUENCES},
+    _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"}, {SEQUENCES, MESH_SEQUENCES},
          "fairscale ShardedGradScaler with its scale on CPU breaks the contract in several ways that a sequence "
          "reaches, whichever comes first: a CPU found_inf never agreed across ranks "
          "(fairscale-cpu-found-inf-not-agreed), a backoff only if found_inf == 1.0 "
@@ -169,7 +170,8 @@ KNOWN_BUGS = [
          "(fairscale-state-dict-after-backoff), growth to inf (sharded-cpu-scale-grows-to-inf)",
          when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
          title="scale on CPU: call sequences reach several of its bugs, whichever comes first"),
-    _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"}, {"test_growth_never_overflows_to_inf", SEQUENCES},
+    _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"},
+         {"test_growth_never_overflows_to_inf", SEQUENCES, MESH_SEQUENCES},
          "ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the isfinite check "
          "of torch._amp_update_scale_: float32 max * growth_factor becomes inf, then every step overflows and "
          "backs off from inf forever (torch and fairscale alike)",
@@ -225,7 +227,14 @@ KNOWN_BUGS = [
          "Bites real loops that "
          "queue GPU work between backward and unscale_/step", when=where(placement=CPU_GRADS_CUDA_SCALE),
          title="non_blocking CPU copies of inv_scale/found_inf read before they land (busy GPU)"),
-    # ---- meshes (test_meshes.py); the mixed-grads crash first: it raises before any agreement
+    # ---- meshes (test_meshes.py, and the sequences on a mesh); the mixed-grads crash first: it raises before any
+    # agreement
+    _bug("torch-amp-mesh-sequences", {"torch_amp"}, {MESH_SEQUENCES},
+         "torch.amp.GradScaler with DTensor grads on a mesh breaks the contract in two ways that a sequence reaches, "
+         "whichever comes first: fp16 grads refused by design (torch-amp-refuses-fp16-grads), found_inf reduced "
+         "along the first grad's sharded mesh dims only, so part of the mesh skips while the rest steps "
+         "(dtensor-found-inf-first-grad-placements)",
+         title="DTensor grads on a mesh: call sequences reach fp16 refusal or a part-mesh skip, whichever comes first"),
     _bug("dtensor-mixed-with-tensor-grads", {"torch_amp", "torch_sharded"}, {MESH},
          "an optimizer holding DTensor params and plain tensor params on the same device and dtype (a model only "
          "partly under FSDP2 or tensor parallelism) crashes torch's scalers: they unscale the grads of one device "

@@ -13,7 +13,8 @@ grads) and a param whose shard on rank 1 is empty; which params a backward reach
 and vanish; growth and backoff factors and new scales that are not powers of two, so unscaling rounds;
 checkpoints kept in memory and loaded later into a fresh or a used scaler; and the process group: WORLD
 of 2 ranks, or 4 ranks in two halves, each scaler given its half (HSDP's shard group), where an overflow
-in one half must not touch the other.
+in one half must not touch the other; or 4 ranks on a 2x2 (dp, tp) DeviceMesh, each param a DTensor of a
+drawn kind (MESH_KINDS), where an overflow on any rank must make the whole job skip.
 """
 from __future__ import annotations
 
@@ -23,12 +24,22 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.conformance.problem import (INF_VALUES, Problem, ScalerModel, build_scaler, grad_overflows, scaled_grad,
-                                       unscaled)
-from tests.harness import cached_group
+from tests.conformance.problem import (INF_VALUES, Problem, ScalerModel, build_scaler, grad_overflows, local,
+                                       scaled_grad, unscaled)
+from tests.conformance.meshes import R, on_mesh
+from tests.harness import cached_group, cached_mesh
 
 N_PARAMS = 4  # one optimizer: all four; two: params 0-1 and 2-3
-GROUPS = {"world": [[0, 1]], "halves": [[0, 1], [2, 3]]}  # config["groups"] -> the ranks of each process group
+# config["groups"] -> the ranks of each process group; "mesh": one group, the params DTensors on MESH
+GROUPS = {"world": [[0, 1]], "halves": [[0, 1], [2, 3]], "mesh": [[0, 1, 2, 3]]}
+MESH = ((2, 2), ("dp", "tp"))  # shape and dim names: rank 1 differs from rank 0 along tp, rank 2 along dp
+# config["kinds"][i] -> param i's mesh dims and its placement along each (its local shard is the Problem's)
+MESH_KINDS = {
+    "sharded": (("dp", "tp"), (0, 0)),        # a TP-sharded weight under FSDP over dp
+    "tp_replicated": (("dp", "tp"), (0, R)),  # a norm or bias: sharded over dp, replicated over tp
+    "dp_replicated": (("dp", "tp"), (R, 0)),  # HSDP: sharded within a replica, replicated across replicas
+    "expert": (("tp",), (0,)),                # an expert's param on the tp sub-mesh only
+}
 EMPTY_ON_RANK = 1  # config["empty"]: the param whose shard is empty on this rank (an uneven FSDP shard)
 LR = 0.5  # SGD without momentum: a step moves p by exactly -LR * grad (all values are dyadic and small)
 
@@ -84,6 +95,10 @@ class Rank:
         self.pb = Problem(placement, dtype=dtypes_of(config), n_params=N_PARAMS, seed_offset=rank, peak=True,
                           numel=[6 if holds(config, rank, i) else 0 for i in range(N_PARAMS)],
                           transposed=config.get("transposed", ()))
+        if config.get("kinds"):  # each rank's values as its local shard of a DTensor of the param's kind
+            mesh = cached_mesh(self.pb.params[0].device.type, *MESH)
+            self.pb.params = [on_mesh(p.detach(), mesh, *MESH_KINDS[kind]).requires_grad_()
+                              for p, kind in zip(self.pb.params, config["kinds"])]
         n_opt = config["n_optimizers"]
         self.members = [[i for i in range(N_PARAMS) if owner(i, n_opt) == o] for o in range(n_opt)]
         self.opts = [torch.optim.SGD([self.pb.params[i] for i in m], lr=LR) for m in self.members]
@@ -151,7 +166,7 @@ class Backward:
         for i in range(N_PARAMS) if self.reaches is None else self.reaches:
             r.accumulated[i] += 1
         if self.bad and self.bad.rank == r.rank:
-            grad = r.pb.params[self.bad.param].grad  # indexed, not viewed: it may be strided
+            grad = local(r.pb.params[self.bad.param].grad)  # indexed, not viewed: it may be strided
             where = tuple(0 if self.bad.element == "first" else n - 1 for n in grad.shape)
             with torch.no_grad():
                 grad[where] = INF_VALUES[self.bad.value]
@@ -186,7 +201,7 @@ class Unscale:
     def on_rank(self, r: Rank) -> dict:
         r.scaler.unscale_(r.opts[self.opt])
         params = [r.pb.params[i] for i in r.members[self.opt]]
-        exact = all(p.grad is None if not r.accumulated[i] else torch.equal(p.grad.cpu(), r.expected_grad(i))
+        exact = all(p.grad is None if not r.accumulated[i] else torch.equal(local(p.grad).cpu(), r.expected_grad(i))
                     for i, p in zip(r.members[self.opt], params))
         return dict(exact=exact)
 
@@ -204,10 +219,10 @@ class Step:
 
     def on_rank(self, r: Rank) -> dict:
         members = r.members[self.opt]
-        before = [r.pb.params[i].detach().cpu().clone() for i in members]
+        before = [local(r.pb.params[i]).detach().cpu().clone() for i in members]
         want = [b if not r.accumulated[i] else b.add(r.expected_grad(i), alpha=-LR) for i, b in zip(members, before)]
         r.scaler.step(r.opts[self.opt])
-        after = [r.pb.params[i].detach().cpu() for i in members]
+        after = [local(r.pb.params[i]).detach().cpu() for i in members]
         if all(torch.equal(a, b) for a, b in zip(after, before)):
             return dict(moved=Moved.NOT_AT_ALL)
         exact = all(torch.equal(a, w) for a, w in zip(after, want))  # SGD's add_(grad, alpha=-lr), as torch does it

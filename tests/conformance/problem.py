@@ -100,9 +100,10 @@ class Problem:
             self.targets.append(c)
 
     def loss(self, only=None) -> torch.Tensor:
-        """sum_i <p_i, c_i> over the params in `only` (all when None): the others get no grad from it."""
+        """sum_i <p_i, c_i> over the params in `only` (all when None): the others get no grad from it. A DTensor
+        param counts its local shard (to_local's backward gives it a DTensor grad of its own placements)."""
         dev = self.loss_device
-        return sum((p.to(dev).float() * c.to(dev).float()).sum()
+        return sum((local(p).to(dev).float() * c.to(dev).float()).sum()
                    for i, (p, c) in enumerate(zip(self.params, self.targets)) if only is None or i in only)
 
     def backward(self, scaler, inject: dict | None = None) -> None:
@@ -125,6 +126,11 @@ class Problem:
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad.detach().cpu().clone() for p in self.params]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (differentiable); a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def run_steps(scaler, problem, opt, pattern, bad_index=0) -> list[float]:

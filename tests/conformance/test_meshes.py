@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import INF_VALUES, PLACEMENTS, device_of, placement_params, run_at
+from tests.conformance.meshes import R, on_mesh
+from tests.conformance.problem import INF_VALUES, PLACEMENTS, device_of, local, placement_params, run_at
 from tests.harness import cached_mesh
 from tests.scalers import make_scaler
 
@@ -25,7 +26,6 @@ REPORT_COLUMN = "meshes"  # the compatibility report's column for these checks (
 
 WORLD_SIZE = 4
 INIT_SCALE, BACKOFF, LR = 256.0, 0.5, 0.5
-R = None  # Replicate() along that mesh dim; an int d: Shard(d)
 # mesh -> its shape and dim names, and the param kinds it holds: kind -> (mesh dims it lives on (None: a
 # plain tensor), its placement along each of them, global shape). On 2D: a TP-sharded weight under FSDP, a
 # TP-replicated norm under FSDP, an expert's weight on the tp sub-mesh only, a plain tensor of each rank's own.
@@ -61,12 +61,6 @@ def _orders(mesh: str) -> list[tuple]:
     return rotations + [("plain", *dtensors), (*dtensors, "plain")]
 
 
-def _placement(dim: int | None):
-    from torch.distributed.tensor import Replicate, Shard
-
-    return Replicate() if dim is R else Shard(dim)
-
-
 def _local_shape(shape, placements, mesh_sizes) -> tuple:
     out = list(shape)
     for dim, size in zip(placements, mesh_sizes):
@@ -92,13 +86,12 @@ def _mesh_step(spec: str, placement: str, mesh_name: str, order: tuple, bad: tup
     params, targets = [], []
     for kind in order:
         dims, placements, shape = table["kinds"][kind]
-        sub = None if dims is None else mesh if tuple(dims) == table["names"] else mesh[dims[0]]
-        local = _local_shape(shape, placements, [] if dims is None else [mesh.size(mesh.mesh_dim_names.index(d))
-                                                                          for d in dims])
-        p = (torch.randint(-8, 8, local, generator=g).float() / 8).to(device)
-        c = (torch.randint(-4, 4, local, generator=g).float() / 8).to(device)
+        sizes = [] if dims is None else [mesh.size(mesh.mesh_dim_names.index(d)) for d in dims]
+        shard_shape = _local_shape(shape, placements, sizes)
+        p = (torch.randint(-8, 8, shard_shape, generator=g).float() / 8).to(device)
+        c = (torch.randint(-4, 4, shard_shape, generator=g).float() / 8).to(device)
         if dims is not None:
-            p = DTensor.from_local(p, sub, [_placement(d) for d in placements], run_check=False)
+            p = on_mesh(p, mesh, dims, placements)
         params.append(torch.nn.Parameter(p))
         targets.append(c)
     s = make_scaler(spec, device=PLACEMENTS[placement]["scaler"], init_scale=INIT_SCALE, backoff_factor=BACKOFF)
@@ -111,18 +104,14 @@ def _mesh_step(spec: str, placement: str, mesh_name: str, order: tuple, bad: tup
         p.grad = grad if not isinstance(p.data, DTensor) else DTensor.from_local(
             grad, p.device_mesh, p.placements, run_check=False)
     opt = torch.optim.SGD(params, lr=LR, foreach=False)  # one loop: DTensors and plain tensors in one list
-    before = [_local(p).clone() for p in params]
+    before = [local(p).detach().clone() for p in params]
     s.step(opt)
     s.update()
-    after = [_local(p) for p in params]
+    after = [local(p).detach() for p in params]
     moved_exactly = all(torch.equal(a, b - LR * c) for a, b, c in zip(after, before, targets))
     untouched = all(torch.equal(a, b) for a, b in zip(after, before))
     return dict(stepped="exactly" if moved_exactly else "not at all" if untouched else "wrongly",
                 scale=float(s.get_scale()))
-
-
-def _local(p) -> torch.Tensor:
-    return (p.to_local() if hasattr(p, "to_local") else p).detach()
 
 
 def _cases():

@@ -22,6 +22,11 @@ A failure names the first call that went wrong and prints the shrunk sequence as
 and the command that replays exactly it:
     python -m tests.conformance.test_sequences --scaler SPEC --placement P --sequence '<json>'
 The calls themselves, each with its rank side, model side and words, are calls.py.
+The same sequences on a mesh (test_every_sequence_on_a_mesh_follows_the_contract, cpu placement): 4 ranks
+on a 2x2 (dp, tp) DeviceMesh, each param a DTensor of a drawn kind (sharded on both dims, replicated along
+tp or along dp, an expert's on the tp sub-mesh) in any order, one model for the whole job: an overflow on
+any rank, along either dim, must make every rank skip. A test of its own, so that it adds no choice to the
+plain sequences' draws (those judged on the GPU, and those that find the sequence mutants in the meta job).
 CI runs the "ci" Hypothesis profile (derandomized, a fixed budget); `--hypothesis-profile=deep` runs
 many more and longer sequences (conftest.py registers both).
 """
@@ -38,9 +43,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from tests.conformance.calls import (EMPTY_ON_RANK, GROUPS, N_PARAMS, Backward, Keep, Load, Overflow, ProblemModel, Rank,
-                                     Resume, Step, Unscale, Update, advance_groups, as_data, from_data, group_of,
-                                     groups_of, holds, owner, world_size)
+from tests.conformance.calls import (EMPTY_ON_RANK, GROUPS, MESH_KINDS, N_PARAMS, Backward, Keep, Load, Overflow,
+                                     ProblemModel, Rank, Resume, Step, Unscale, Update, advance_groups, as_data,
+                                     from_data, group_of, groups_of, holds, owner, world_size)
 from tests.conformance.problem import INF_VALUES, PLACEMENTS as DEVICES, placement_params, run_at
 
 pytestmark = pytest.mark.conformance
@@ -137,6 +142,8 @@ def expected_facts(config: dict, sequence: list) -> list[list[dict]]:
 class ScalerContract(RuleBasedStateMachine):
     """Builds a legal sequence of calls, rule by rule; teardown runs it on the ranks and checks it."""
 
+    GROUPS_DRAWN = ("world", "halves")  # calls.GROUPS; "mesh" is MeshContract's
+
     def __init__(self, spec: str, placement: str):
         super().__init__()
         self.spec, self.placement = spec, placement
@@ -154,10 +161,13 @@ class ScalerContract(RuleBasedStateMachine):
         # the shapes: params stored transposed (strided grads); one param's shard empty on rank 1
         transposed = data.draw(st.sets(st.integers(0, N_PARAMS - 1)), label="transposed")
         empty = data.draw(st.none() | st.integers(0, N_PARAMS - 1), label="empty on rank 1")
-        groups = data.draw(st.sampled_from(tuple(GROUPS)), label="process groups")
+        groups = data.draw(st.sampled_from(self.GROUPS_DRAWN), label="process groups")
         self.config = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                            growth_interval=growth_interval, n_optimizers=n_optimizers, dtypes=dtypes,
                            transposed=sorted(transposed), empty=empty, groups=groups)
+        if groups == "mesh":  # each param's placements on the mesh; the param order is the optimizer's
+            self.config["kinds"] = data.draw(st.lists(st.sampled_from(tuple(MESH_KINDS)), min_size=N_PARAMS,
+                                                      max_size=N_PARAMS), label="mesh kinds")
         self.models = models_of(self.config)
         self.model = self.models[0]  # the stages, backward count and kept slots are the same in every group
 
@@ -232,14 +242,29 @@ class ScalerContract(RuleBasedStateMachine):
             check_sequence(self.spec, self.placement, self.config, self.sequence, self.expected)
 
 
-@pytest.mark.parametrize("placement", placement_params(PLACEMENTS))
-def test_every_sequence_of_calls_follows_the_contract(scaler, placement, request):
+class MeshContract(ScalerContract):
+    """The same sequences with every param a DTensor on the 2x2 mesh (calls.MESH_KINDS), one model for the job."""
+
+    GROUPS_DRAWN = ("mesh",)
+
+
+def run_machine(machine, request) -> None:
     # A strict xfail (a known upstream bug) only needs to fail: shrinking its sequence would cost minutes
     # of the gate for a message nobody reads. Everything else is shrunk, as the profile says.
     expected_to_fail = request.node.get_closest_marker("xfail") is not None
     phases = [p for p in settings().phases if not (expected_to_fail and p in (Phase.shrink, Phase.explain))]
-    run_state_machine_as_test(lambda: ScalerContract(scaler, placement),
-                              settings=settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=phases))
+    run_state_machine_as_test(machine, settings=settings(deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                                                         phases=phases))
+
+
+@pytest.mark.parametrize("placement", placement_params(PLACEMENTS))
+def test_every_sequence_of_calls_follows_the_contract(scaler, placement, request):
+    run_machine(lambda: ScalerContract(scaler, placement), request)
+
+
+@pytest.mark.parametrize("placement", placement_params(["cpu"]))  # gloo's CPU mesh: every machine runs it
+def test_every_sequence_on_a_mesh_follows_the_contract(scaler, placement, request):
+    run_machine(lambda: MeshContract(scaler, placement), request)
 
 
 def main(argv=None) -> None:

@@ -14,7 +14,7 @@ from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DTensor, DeviceSplitGradScaler, _f32
 from tests.harness import cached_group
-from tests.known_bugs import FUSED, MESH, SEQUENCES
+from tests.known_bugs import FUSED, MESH, MESH_SEQUENCES, SEQUENCES
 from tests.planted.registry import mutant
 
 _check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
@@ -709,7 +709,7 @@ class TrustsDTensorAgreement(DeviceSplitGradScaler):
             return float(sum(t.item() for t in found.values()))
         return super()._agree(found)
 
-@mutant("agrees_along_one_mesh_dim", caught_by=[MESH], matrix="mesh")  # the inf on the last rank: ranks 0, 1 step
+@mutant("agrees_along_one_mesh_dim", caught_by=[MESH, MESH_SEQUENCES], matrix="mesh")  # the inf on the last rank: ranks 0, 1 step
 class AgreesAlongOneMeshDim(DeviceSplitGradScaler):
     """At world size 4 with no process group given, agrees on found_inf along the last dim of the 2x2 mesh only
     (HSDP's shard dim, or tp): over its own half of the world, as a scaler handed one mesh dim's group instead of
