@@ -31,6 +31,8 @@ NEEDS = {
     "cuda": lambda m: None if m.cuda else "needs CUDA (one GPU): this bug lives in the CUDA code path; torch sees "
                                           "no GPU here",
     "no-cuda": lambda m: "shows only on a machine without CUDA (torch sees a GPU here)" if m.cuda else None,
+    "dtensor": lambda m: (versions.DTENSOR_REASON if versions.holds(torch=versions.DTENSOR_TORCH, on=m.versions)
+                          else None),
 }
 
 

@@ -306,13 +306,15 @@ KNOWN_BUGS = [
          when=where(fused="SGD"),
          title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it"),
     # before the no-agreement entry: on torch < 2.6 this one is what the cell hits first (it raises)
-    _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX},
+    _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX, FUSED},
          "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
          "which on an inf replaces found_inf with torch.tensor([1.0]), shape [1]; a fused optimizer (AdamW "
-         "fused=True) then raises at the first overflow: RuntimeError: output with shape [] doesn't match the "
-         "broadcast shape [1] (seen on 2.4.1; 2.5.1 has the same code, 2.6.0 unscales CPU grads with "
-         "torch._amp_foreach_non_finite_check_and_unscale_)",
-         when=where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload")), torch="<2.6",
+         "fused=True; fused Adam and Adagrad alike: each keeps a shape-[] step counter) then raises at the first "
+         "overflow: RuntimeError: output with shape [] doesn't match the broadcast shape [1] (seen on 2.4.1; "
+         "2.5.1 has the same code, 2.6.0 unscales CPU grads with torch._amp_foreach_non_finite_check_and_unscale_)",
+         when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload"))
+                                    if "cell" in params else where(fused=STEP_COUNTER_FUSED, placement="cpu"))(params, cuda),
+         torch="<2.6",
          title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow"),
     _bug("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}, {MATRIX},
          "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "

@@ -15,6 +15,13 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 
+# DTensor and its placements are public (torch.distributed.tensor) from torch 2.5; 2.4 keeps them private in
+# torch.distributed._tensor (seen on 2.4.1: ImportError). The checks that build DTensors on a mesh skip below it.
+DTENSOR_TORCH = "<2.5"
+DTENSOR_REASON = (f"DTensor meshes need torch >= 2.5: on torch{DTENSOR_TORCH} torch.distributed.tensor has no DTensor "
+                  "(2.4 keeps it private in torch.distributed._tensor)")
+
+
 @functools.lru_cache(maxsize=None)
 def installed(package: str) -> Version | None:
     """The installed version of a distribution (release only: no local label), or None."""

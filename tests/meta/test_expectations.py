@@ -16,6 +16,7 @@ TORCH = {"torch": Version("2.13.0"), "fairscale": Version("0.4.13")}
 CPU = Machine(cuda=False, n_gpus=0, versions=TORCH)
 GPU = Machine(cuda=True, n_gpus=1, versions=TORCH)
 NEWER_TORCH = Machine(cuda=False, n_gpus=0, versions={**TORCH, "torch": Version("2.99.0")})
+TORCH_2_4 = Machine(cuda=False, n_gpus=0, versions={**TORCH, "torch": Version("2.4.1")})
 
 
 def _bug(bug_id, scalers, tests=("test_check",), beats_race=False, torch=""):
@@ -65,6 +66,11 @@ ROWS = [
      None, Expectation(skip=("needs CUDA",))),
     ("repro-case-needs-no-cuda", "ours", "test_repro", {}, GPU, ReproOf(("repro-bug",), needs="no-cuda"), None,
      Expectation(skip=("only on a machine without CUDA",))),
+    ("repro-case-needs-dtensor-skips-below-torch-2-5", "ours", "test_repro", {}, TORCH_2_4,
+     ReproOf(("repro-bug",), needs="dtensor"), None, Expectation(skip=("DTensor meshes need torch >= 2.5",))),
+    ("repro-case-needs-dtensor-runs-on-torch-2-5-and-later", "fairscale_sharded", "test_repro", {}, CPU,
+     ReproOf(("repro-bug",), needs="dtensor"), None,
+     Expectation(xfail="reason of repro-bug", bug="repro-bug", bug_any_version="repro-bug")),
     ("repro-case-races-for-a-scaler-without-its-bug", "torch_sharded", "test_repro", {}, GPU,
      ReproOf(("repro-bug",), placement="offload"), None, Expectation(skip=RACE)),
     ("repro-case-shows-its-bug-whatever-the-race", "fairscale_sharded", "test_repro", {}, GPU,

@@ -48,7 +48,7 @@ def _replicated_norm_first(scaler):
 
 
 @case("2D mesh (dp x tp): a TP-replicated norm first in the optimizer, an inf in rank 1's shard of a TP-sharded weight",
-      bugs=["dtensor-found-inf-first-grad-placements", "fairscale-disabled-without-cuda"])
+      bugs=["dtensor-found-inf-first-grad-placements", "fairscale-disabled-without-cuda"], needs="dtensor")
 def test_replicated_norm_first_then_inf_in_a_sharded_weight(scaler):
     stepped = run_on_ranks(_replicated_norm_first, scaler, world_size=4)
     return Outcome(any(stepped), f"stepped per rank: {stepped}", "every rank skips: [False, False, False, False]")
@@ -74,7 +74,7 @@ def _one_replica_overflows(scaler):
 
 
 @case("HSDP (replicate x shard, as FSDP2 places every grad): an inf in one replica's shard (rank 3)",
-      bugs=["dtensor-found-inf-first-grad-placements", "fairscale-disabled-without-cuda"])
+      bugs=["dtensor-found-inf-first-grad-placements", "fairscale-disabled-without-cuda"], needs="dtensor")
 def test_an_inf_in_one_hsdp_replica(scaler):
     stepped = run_on_ranks(_one_replica_overflows, scaler, world_size=4)
     return Outcome(any(stepped), f"stepped per rank: {stepped}", "every rank skips: [False, False, False, False]")
@@ -99,7 +99,7 @@ def _dtensor_and_plain(scaler):
 # fairscale_sharded: no entry of the case's own. Without CUDA it disables itself (KNOWN_BUGS
 # fairscale-disabled-without-cuda claims every check there); with CUDA it passes this case (seen on torch 2.11)
 @case("1D mesh: one optimizer with a DTensor param and a plain tensor param, a clean step",
-      bugs=["dtensor-mixed-with-tensor-grads"])
+      bugs=["dtensor-mixed-with-tensor-grads"], needs="dtensor")
 def test_dtensor_and_plain_grads_in_one_optimizer(scaler):
     got = run_on_ranks(_dtensor_and_plain, scaler, world_size=2)
     return Outcome(got != [[0.5, 0.5]] * 2, f"plain param after the step per rank: {got}", "[[0.5, 0.5], [0.5, 0.5]]")
