@@ -30,6 +30,10 @@ WORKERS=$(( CONTEXTS / 7 < WORKERS ? (CONTEXTS / 7 > 0 ? CONTEXTS / 7 : 1) : WOR
 echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> pytest -n $WORKERS; torch $TORCH"
 # the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
 # the slow meta-tests (planted defects, adoption, torchrun, the child runs in test_options and
-# test_versions_table) are CPU work, run by ci/cpu.sh
-python3 -m pytest -n "$WORKERS" -m "not slow" tests/conformance tests/matrix tests/repro tests/meta \
+# test_versions_table) are CPU work, run by ci/cpu.sh.
+# Order: xdist's default hands each worker a block of ~130 consecutive tests and refills late ones in small
+# batches, so the meta-tests' child runs (45-70 s each), collected last, started last and were the gate's tail
+# (its item times replayed through that scheduler: 385 s, measured 388). tests/meta first with one test per
+# send starts them at once on different workers: 328 s for the same item times.
+python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/conformance tests/matrix tests/repro \
   --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"
