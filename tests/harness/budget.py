@@ -145,13 +145,30 @@ class GpuBudget:
                 pools.pop(k).shutdown()
 
     @contextlib.contextmanager
-    def task_locks(self, world_size: int, device: str, exclusive: bool):
+    def memory_turn(self, gpus: list[int]):
+        """One memory-heavy task at a time on each of `gpus` (an exclusive flock that ordinary tasks never take).
+
+        A task that needs a large share of a GPU's memory (a grad past 2**31 elements: 8 GiB in fp32) checks the
+        free memory, then allocates; two such tasks of different workers both passed the check and one ran out
+        of memory, or one saw the other's memory and skipped. Ordinary tasks go on beside it. Taken before the
+        GPU locks, so a task waiting for its turn holds nothing another task waits for.
+        """
+        with contextlib.ExitStack() as stack:
+            asked = time.monotonic()
+            for g in sorted(gpus):  # one global order: no lock-order deadlock between workers
+                fcntl.flock(stack.enter_context(open(self.lock_path(f"gpu{g}-memory"), "w")), fcntl.LOCK_EX)
+            profile("memory_wait", time.monotonic() - asked)
+            yield
+
+    @contextlib.contextmanager
+    def task_locks(self, world_size: int, device: str, exclusive: bool, memory_heavy: bool = False):
         """flock each GPU the task uses: shared by ordinary tasks, exclusive for timing-sensitive ones.
 
         A timing check (an async copy racing queued kernels) must see only its own queued work, so it
         waits until no other worker's task runs on its GPUs; everything else shares them. The shared
         take is made under a brief exclusive gate, as the exclusive one is, so a stream of shared tasks
         cannot starve an exclusive one (flock alone has no writer preference). CPU tasks take no lock.
+        A memory-heavy task first waits for its turn among the memory-heavy ones (memory_turn).
         """
         if device == "cpu":
             yield
@@ -162,6 +179,8 @@ class GpuBudget:
             return stack.enter_context(open(self.lock_path(name), "w"))
 
         with contextlib.ExitStack() as stack:
+            if memory_heavy:
+                stack.enter_context(self.memory_turn(gpus))
             asked = time.monotonic()
             gate = lock_file("gate")
             fcntl.flock(gate, fcntl.LOCK_EX)

@@ -113,12 +113,14 @@ class Harness:
         self.shutdown()
 
     def run(self, fn, *args, world_size: int = 2, device: str = "cpu", backend: str | None = None,
-            timeout: float | None = None, seed: int = 0, exclusive_gpu: bool = False, **kwargs) -> list:
+            timeout: float | None = None, seed: int = 0, exclusive_gpu: bool = False, memory_heavy: bool = False,
+            **kwargs) -> list:
         """Run fn(*args, **kwargs) on every rank; return [result of rank 0, result of rank 1, ...].
 
         GPU tasks of different xdist workers share a GPU; exclusive_gpu=True waits until the task is
         alone on its GPUs (for a check that other processes' GPU work could hide; the busy-GPU race
-        checks need no such thing: other work only makes the GPU busier).
+        checks need no such thing: other work only makes the GPU busier). memory_heavy=True: the task needs a
+        large share of a GPU's memory, and takes turns with the other such tasks (ordinary ones go on beside it).
 
         Skips the calling test (pytest.skip) when the configuration needs hardware that is missing, or
         when the body called pytest.skip on every rank.
@@ -142,7 +144,7 @@ class Harness:
         key = (world_size, backend, device)
         exclusive_gpu = exclusive_gpu or os.environ.get("FSDP_AMP_EXCLUSIVE_GPUS") == "1"  # to measure the gain
         self.gpu_budget.yield_idle_contexts(self.pools, keep=key)
-        with self.gpu_budget.task_locks(world_size, device, exclusive_gpu):
+        with self.gpu_budget.task_locks(world_size, device, exclusive_gpu, memory_heavy):
             if self.isolate:
                 pool = self._new_pool(*key)
                 try:

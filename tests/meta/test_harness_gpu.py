@@ -1,12 +1,14 @@
 """The harness on GPUs: the device modes (gloo ranks sharing a GPU, NCCL ranks on one GPU each), results
 back on the host, and the CUDA context budget that the xdist workers share (budget.py): slots taken all or
-none, a spent budget failing in bounded time saying so, idle pools retired to make room.
+none, a spent budget failing in bounded time saying so, idle pools retired to make room; memory-heavy tasks
+taking turns on a GPU.
 
 The budget's bookkeeping is checked on slot files of a fake GPU, so most of it runs without CUDA."""
 import dataclasses
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -96,6 +98,36 @@ def test_an_idle_pool_on_the_gpu_waited_for_is_retired_within_the_bound(tmp_path
         assert mine.stopped_within is not None and mine.stopped_within <= 2.0, \
             f"retiring was given {mine.stopped_within} s: the bound must cover it"
         assert time.monotonic() - t0 < 2.0 + 5
+
+
+def test_memory_heavy_tasks_take_turns_on_a_gpu_and_not_across_gpus(tmp_path):
+    """Two memory-heavy tasks (a free-memory check, then the allocation) never overlap on one GPU: overlapped,
+    both passed the check and one ran out of memory. A turn on another GPU is not held up."""
+    with Harness(lock_dir=str(tmp_path)) as own:
+        budget, holding, release, second_in, other_gpu_in = (own.gpu_budget, threading.Event(), threading.Event(),
+                                                             threading.Event(), threading.Event())
+
+        def hold(gpu, entered, until=None):
+            with budget.memory_turn([gpu]):
+                entered.set()
+                if until is not None:
+                    until.wait(30)
+
+        first = threading.Thread(target=hold, args=(FAKE_GPU, holding, release))
+        first.start()
+        assert holding.wait(30), "the first memory-heavy task never got its turn on a free GPU"
+        threads = [first] + [threading.Thread(target=hold, args=args) for args in
+                             ((FAKE_GPU, second_in), (FAKE_GPU + 1, other_gpu_in))]
+        for t in threads[1:]:
+            t.start()
+        try:
+            assert other_gpu_in.wait(30), "a memory-heavy task on another GPU waited for this GPU's turn"
+            assert not second_in.wait(1.0), "a second memory-heavy task ran on the GPU while the first held its turn"
+        finally:
+            release.set()
+            assert second_in.wait(30), "the second memory-heavy task never got its turn after the first ended"
+            for t in threads:
+                t.join(30)
 
 
 @pytest.mark.gpu
