@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config, items):
         if expected.skip:
             item.add_marker(pytest.mark.skip(reason=expected.skip))
         elif expected.xfail:
-            item.add_marker(pytest.mark.xfail(strict=True, reason=expected.xfail))
+            item.add_marker(pytest.mark.xfail(strict=True, reason=expected.xfail, raises=expected.raises))
         # the report's record of the check (tests/records.py Record): which bug or entry it xfails on
         item.user_properties += [(name, value) for name, value in (
             ("bug", expected.bug), ("xfails_file", expected.xfails_file),

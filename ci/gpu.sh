@@ -35,5 +35,7 @@ echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> 
 # batches, so the meta-tests' child runs (45-70 s each), collected last, started last and were the gate's tail
 # (its item times replayed through that scheduler: 385 s, measured 388). tests/meta first with one test per
 # send starts them at once on different workers: 328 s for the same item times.
-python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/conformance tests/matrix tests/repro \
+# the standalone repros' runs are recorded for docs/upstream/runs.json (python -m tests.upstream.reports --merge)
+FSDP_AMP_STANDALONE_RECORD="$OUT/standalone-runs" \
+python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/conformance tests/matrix tests/repro tests/upstream \
   --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"

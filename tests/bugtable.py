@@ -30,7 +30,7 @@ REPRO_DIR = REPO / "tests" / "repro"
 DOC = "docs/bugs.md"  # relative to the repository root, as the README links it
 START = "<!-- known-bugs:start -->"
 END = "<!-- known-bugs:end -->"
-HEADER = ("bug", "what", "hits", "torch", "fairscale", "repro")
+HEADER = ("bug", "what", "hits", "torch", "fairscale", "real training", "standalone", "repro")
 EVERY_SCALER = "every scaler (an FSDP bug)"
 NO_REPRO = "conformance / matrix"
 
@@ -56,6 +56,9 @@ class Row:
     torch: str  # PEP 440 specifier, "" for every supported version
     fairscale: str
     repro: tuple  # repro files (relative to the repository root) whose repro_of names the bug
+    reach: str = ""  # can real training hit it: a known_bugs Reach kind
+    standalone: str = ""  # its standalone repro (relative to the repository root)
+    report: str = ""  # its upstream report, where it has one (relative to the repository root)
 
 
 def _marks_of(obj) -> list:
@@ -102,7 +105,11 @@ def repro_files(bug_id: str, marks: list[ReproMark]) -> tuple:
 
 def row(bug: KnownBug, marks: list[ReproMark]) -> Row:
     hits = () if bug.scalers is known_bugs.EVERY_SCALER else tuple(s for s in BUILTINS if s in bug.scalers)
-    return Row(bug.id, bug.title, hits, bug.torch, bug.fairscale, repro_files(bug.id, marks))
+    from tests.upstream.reports import reported
+
+    report = f"docs/upstream/{bug.id}.md" if bug in reported() else ""
+    return Row(bug.id, bug.title, hits, bug.torch, bug.fairscale, repro_files(bug.id, marks), bug.reach.kind,
+               f"{known_bugs.STANDALONE_DIR}/{bug.standalone_file}.py", report)
 
 
 def rows(bugs=None, marks=None) -> list[Row]:
@@ -124,6 +131,8 @@ def render(table: list[Row]) -> str:
                  ", ".join(f"`{s}`" for s in r.hits) if r.hits else EVERY_SCALER,
                  f"`{r.torch}`" if r.torch else "any",
                  f"`{r.fairscale}`" if r.fairscale else "any",
+                 r.reach,
+                 f"[`{Path(r.standalone).name}`]({r.standalone})" + (f", [report]({r.report})" if r.report else ""),
                  ", ".join(f"[`{Path(f).name}`]({f})" for f in r.repro) if r.repro else NO_REPRO)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -13,7 +13,11 @@ The policy, in order:
    unless the known bug there shows whatever the race does (`beats_race`).
 3. A known bug in force on these versions: strict xfail with the bug's reason.
 4. The consumer's --xfails-file entry: strict xfail.
-5. Otherwise the check must pass.
+5. A standalone repro's run (tests/repro/test_standalone.py, params `standalone` and `mode`): skip where the
+   file's `needs` are missing; where an entry it shows is in force, its plain and real-training runs are a
+   strict xfail with that entry's reason, which only `BugShown` satisfies (a crash of the file fails);
+   its --with-fix run must pass.
+6. Otherwise the check must pass.
 Whatever the outcome, `bug_any_version` names the check's known bug on any version (where it runs), so
 the version table tells "fixed here" from "never hit".
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from tests import versions
-from tests.known_bugs import known_bug, race_skip_reason, repro_bug
+from tests.known_bugs import known_bug, race_skip_reason, repro_bug, standalone_files
 from tests.matrix import axes
 
 NEEDS = {
@@ -66,6 +70,11 @@ class Expectation:
     bug: str | None = None              # the KNOWN_BUGS id behind xfail
     xfails_file: str | None = None      # the --xfails-file entry behind xfail
     bug_any_version: str | None = None  # the check's known bug on any version (the version table)
+    raises: type | None = None          # the one exception that counts as the xfail (None: any)
+
+
+class BugShown(AssertionError):
+    """A standalone repro exited 1 after printing its observed and expected lines: its bug is there."""
 
 
 def expectation(scaler: str | None, test: str, params: dict, *, machine: Machine, repro_of: ReproOf | None = None,
@@ -74,6 +83,8 @@ def expectation(scaler: str | None, test: str, params: dict, *, machine: Machine
     function's name; params: its callspec params (a matrix cell under "cell"); their_entry: the matching
     --xfails-file entry (tests/xfails.py) or None; bugs: a KNOWN_BUGS of one's own (the meta-tests').
     ValueError where repro_of names no known bug."""
+    if "standalone" in params:
+        return _standalone(params["standalone"], params["mode"], machine, bugs)
     cell = params.get("cell")
     unrunnable = (cell is not None and axes.skip_reason(cell, machine.n_gpus)) or (
         repro_of and repro_of.needs and NEEDS[repro_of.needs](machine))
@@ -104,3 +115,21 @@ def expectation(scaler: str | None, test: str, params: dict, *, machine: Machine
     if in_force:
         return Expectation(xfail=in_force.reason, bug=in_force.id, bug_any_version=named)
     return dataclasses.replace(their_xfail, bug_any_version=named)
+
+
+WITH_FIX = "with-fix"  # the standalone mode that applies the proposed fix: it must pass wherever it runs
+
+
+def _standalone(stem: str, mode: str, machine: Machine, bugs=None) -> Expectation:
+    shown = standalone_files(bugs).get(stem)
+    if shown is None:
+        raise ValueError(f"standalone repro {stem!r}: no KNOWN_BUGS entry names that file")
+    needs = shown[0].needs
+    unrunnable = needs and NEEDS[needs](machine)
+    if unrunnable:
+        return Expectation(skip=unrunnable)
+    in_force = next((b for b in shown if b.holds_on(machine.versions)), None)
+    named = shown[0].id
+    if in_force and mode != WITH_FIX:
+        return Expectation(xfail=in_force.reason, bug=in_force.id, bug_any_version=named, raises=BugShown)
+    return Expectation(bug_any_version=named)

@@ -35,6 +35,21 @@ EVERY_SCALER = Every("every scaler, plugged ones included (a bug of the FSDP imp
 EVERY_ENABLED_TEST = Every("every test that builds an enabled scaler", but=ENABLED_FREE_TESTS)
 
 
+REACHABLE = "reachable"  # an overflow that forward/backward make, through the real reductions, hits it
+EVERY_RUN = "every run"  # no overflow needed: every step of the configuration (or the call) hits it
+INJECTION_ONLY = "injection only"  # only a value written into a grad after backward or a reduction gets there
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Whether real training reaches a bug, and the evidence. `how`: for REACHABLE, the run that shows it;
+    for EVERY_RUN, the configuration; for INJECTION_ONLY, why training does not get there and what a job
+    would have to do to. `run`: the standalone file's flag that runs that real training ("" if none)."""
+    kind: str
+    how: str
+    run: str = ""
+
+
 @dataclass(frozen=True)
 class KnownBug:
     id: str  # short and stable: the report and the version table name the bug by it
@@ -46,6 +61,15 @@ class KnownBug:
     beats_race: bool = False  # deterministic even where the built-in's results are timing-dependent
     torch: str = ""  # PEP 440 specifiers of the versions the bug holds on ("": every supported one);
     fairscale: str = ""  # on a version outside them the check is expected to pass (fixed there)
+    reach: Reach | None = None  # can real training hit it? (every entry has one: tests/meta/test_standalone_files.py)
+    standalone: str = ""  # the standalone repro showing it, tests/repro/standalone/<standalone>.py ("": its id's)
+    needs: str = ""  # what that file needs to run (a tests/expectations.py NEEDS key), on the file's own entry
+    by_design: bool = False  # torch's behaviour by design: no fix to propose, no upstream report
+
+    @property
+    def standalone_file(self) -> str:
+        """The stem of its standalone repro's file: several entries of one defect share one."""
+        return self.standalone or self.id
 
     @property
     def in_force(self) -> bool:
@@ -72,11 +96,12 @@ ANY_TORCH = ""
 FAIRSCALE_0_4_13 = "==0.4.13"
 
 
-def _bug(bug_id, scalers, tests, reason, when=None, beats_race=False, torch=ANY_TORCH, fairscale="", *, title):
+def _bug(bug_id, scalers, tests, reason, when=None, beats_race=False, torch=ANY_TORCH, fairscale="", *, title,
+         reach, standalone="", needs="", by_design=False):
     return KnownBug(bug_id, scalers if isinstance(scalers, Every) else frozenset(scalers),
                     tests if isinstance(tests, Every) else frozenset(tests), reason, title,
                     when or (lambda params, cuda: True), beats_race, str(SpecifierSet(torch)),
-                    str(SpecifierSet(fairscale)))
+                    str(SpecifierSet(fairscale)), reach, standalone, needs, by_design)
 
 
 SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"  # the stateful test (test_sequences.py)
@@ -141,26 +166,40 @@ KNOWN_BUGS = [
          "fairscale ShardedGradScaler silently disables itself without CUDA (amp_definitely_not_available) "
          "and then steps on inf grads; it has no device argument",
          when=lambda params, cuda: not cuda, fairscale=FAIRSCALE_0_4_13,
-         title="silently disabled without CUDA, then steps on inf grads"),
+         title="silently disabled without CUDA, then steps on inf grads",
+         reach=Reach(EVERY_RUN, "every job on a machine without CUDA: the scaler never scales, and an inf or NaN that the fp16 "
+                     "forward makes is applied"),
+         needs="no-cuda"),
     _bug("torch-amp-refuses-fp16-grads", {"torch_amp"}, UNSCALE_TESTS | {MATRIX},
          "torch.amp.GradScaler refuses fp16 grads by design (ValueError: Attempting to unscale FP16 gradients.), "
          "which FSDP mixed precision without offload produces (fairscale; FSDP1 keep_low_precision_grads)",
          when=where(dtype="float16"),
-         title='fp16 grads refused by design ("Attempting to unscale FP16 gradients")'),
+         title='fp16 grads refused by design ("Attempting to unscale FP16 gradients")',
+         reach=Reach(EVERY_RUN, "every step whose grads are fp16 (FSDP1 keep_low_precision_grads, the file's run; fairscale mixed"
+                     " precision without offload at world size 1)"),
+         by_design=True),
     _bug("bf16-cuda-unscale-kernel", {"torch_amp", "torch_sharded", "fairscale_sharded"}, UNSCALE_TESTS | {MATRIX},
          "torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16 "
          "(NotImplementedError ... not implemented for 'BFloat16'), so bf16 grads on CUDA crash the scaler "
          "(fairscale FSDP with compute_dtype bf16 and no offload at world size 1; FSDP1 keep_low_precision_grads)",
          when=where(dtype="bfloat16", placement=("cuda", "mixed")),
-         title="bf16 grads on CUDA crash the unscale kernel"),
+         title="bf16 grads on CUDA crash the unscale kernel",
+         reach=Reach(EVERY_RUN, "every step whose grads are bf16 on CUDA (FSDP1 keep_low_precision_grads in bf16; fairscale "
+                     "compute_dtype bf16 without offload)"),
+         needs="cuda"),
     _bug("torch-amp-not-shard-aware", {"torch_amp"}, NOT_SHARD_AWARE,
          "torch.amp.GradScaler does not agree on found_inf across ranks (it relies on DDP's all-reduced grads): "
          "with sharded grads an inf on one rank makes only that rank skip and back off",
          when=lambda params, cuda: params.get("bad_ranks") != (0, 1),
-         title="no agreement on found_inf across ranks: an inf on one rank skips only there"),
+         title="no agreement on found_inf across ranks: an inf on one rank skips only there",
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight row, which"
+                     " after the reduce-scatter lies in one rank's shard only", run="--real-overflow"),
+         by_design=True),
     _bug("torch-amp-not-shard-aware-busy-gpu", {"torch_amp"}, {BUSY}, "torch.amp.GradScaler does not agree on found_inf across ranks",
          when=where(world_size=2, bad=True, placement="cuda"),
-         title="no agreement on found_inf across ranks, in the busy-GPU check"),
+         title="no agreement on found_inf across ranks, in the busy-GPU check",
+         reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
+         standalone="torch-amp-not-shard-aware", by_design=True),
     # before the torch one: fairscale with its scale on CPU has more than that bug for a sequence to reach
     _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"}, {SEQUENCES, MESH_SEQUENCES},
          "fairscale ShardedGradScaler with its scale on CPU breaks the contract in several ways that a sequence "
@@ -169,64 +208,100 @@ KNOWN_BUGS = [
          "(fairscale-backoff-only-if-exactly-one), state_dict() raising after a backoff "
          "(fairscale-state-dict-after-backoff), growth to inf (sharded-cpu-scale-grows-to-inf)",
          when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
-         title="scale on CPU: call sequences reach several of its bugs, whichever comes first"),
+         title="scale on CPU: call sequences reach several of its bugs, whichever comes first",
+         reach=Reach(REACHABLE, "as its parts; fairscale-cpu-found-inf-not-agreed shows a real overflow", run="--real-overflow"),
+         standalone="fairscale-cpu-found-inf-not-agreed"),
     _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"},
          {"test_growth_never_overflows_to_inf", SEQUENCES, MESH_SEQUENCES},
          "ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the isfinite check "
          "of torch._amp_update_scale_: float32 max * growth_factor becomes inf, then every step overflows and "
          "backs off from inf forever (torch and fairscale alike)",
          when=where(placement=CPU_SCALE),
-         title="scale on CPU grows to inf (no isfinite check), then every step is skipped"),
+         title="scale on CPU grows to inf (no isfinite check), then every step is skipped",
+         reach=Reach(REACHABLE, "no overflow: the scale itself becomes inf in a run whose loss and grads stay finite at a scale "
+                     "of 2**127 (bf16 or fp32 compute; in fp16 the backward overflows first). The file's real run: "
+                     "FSDP1 bf16 from 2**124, growth_interval 1. With the defaults that takes 224,000 overflow-free "
+                     "steps", run="--real-overflow")),
     _bug("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"}, {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"},
          "fairscale ShardedGradScaler all-reduces a CPU found_inf on a CUDA copy and throws the "
          "result away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip",
          when=lambda params, cuda: params.get("placement") in ("cpu", "offload", "cpu_loss")
          and params.get("bad_ranks") != (0, 1), fairscale=FAIRSCALE_0_4_13,
-         title="CPU found_inf all-reduced on a copy that is thrown away"),
+         title="CPU found_inf all-reduced on a copy that is thrown away",
+         reach=Reach(REACHABLE, "torch FSDP1 CPUOffload fp16 on 2 gloo ranks sharing a GPU, the loss moved to the CPU params "
+                     "(fairscale #421's path): the scaled backward overflows in one output unit's weight row, which "
+                     "after the reduce-scatter lies in one rank's CPU shard only", run="--real-overflow"),
+         needs="cuda"),
     _bug("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"}, {"test_two_optimizers_skip_independently_back_off_once"},
          "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; two optimizers "
          "that both saw inf sum to 2.0 and the scale grows instead",
          when=where(placement=CPU_SCALE, bad_opts=[(0, 1)]), fairscale=FAIRSCALE_0_4_13,
-         title="backs off only if found_inf == 1.0: two optimizers' 2.0 grows the scale"),
+         title="backs off only if found_inf == 1.0: two optimizers' 2.0 grows the scale",
+         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), one optimizer per layer, fp16 autocast at the "
+                     "default init_scale 2**16: the scaled backward overflows by itself into both layers' grads, "
+                     "found_inf sums to 2.0 and the scale grows", run="--real-overflow"),
+         needs="cuda"),
     _bug("fairscale-cpu-found-inf-not-agreed-per-optimizer", {"fairscale_sharded"}, {"test_each_optimizer_agrees_across_ranks"},
          "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
          "and throws the result away), so with CPU grads each optimizer skips only on the ranks that saw the inf",
          when=where(placement=("cpu", "offload", "cpu_loss")), fairscale=FAIRSCALE_0_4_13,
-         title="CPU found_inf never agreed across ranks, per optimizer"),
+         title="CPU found_inf never agreed across ranks, per optimizer",
+         reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
+         standalone="fairscale-cpu-found-inf-not-agreed"),
     _bug("fairscale-cpu-found-inf-not-agreed-scale-lockstep", {"fairscale_sharded"}, {"test_ranks_keep_scale_in_lockstep"},
          "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
          "and throws the result away), so the ranks' scales diverge",
          when=where(placement=("cpu", "offload", "cpu_loss", "mixed")), fairscale=FAIRSCALE_0_4_13,
-         title="CPU found_inf never agreed across ranks: their scales diverge"),
+         title="CPU found_inf never agreed across ranks: their scales diverge",
+         reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
+         standalone="fairscale-cpu-found-inf-not-agreed"),
     _bug("fairscale-rank-without-grads", {"fairscale_sharded"}, {"test_rank_without_grads_takes_part"},
          "fairscale ShardedGradScaler records no found_inf on a rank without grads: that rank raises 'No inf "
          "checks were recorded for this optimizer' while the others wait in all_reduce (fixed in torch by "
          "pytorch#99174, never in fairscale)", fairscale=FAIRSCALE_0_4_13,
-         title="a rank without grads raises while the others wait"),
+         title="a rank without grads raises while the others wait",
+         reach=Reach(EVERY_RUN, "no overflow: every step on which a rank's optimizer holds no grad (frozen params sharded so that"
+                     " one rank holds only frozen ones, as in pytorch#99174; an unused branch)"),
+         needs="cuda"),
     _bug("fairscale-state-dict-after-backoff", {"fairscale_sharded"}, {"test_state_dict_round_trip_resumes_identically"},
          "fairscale sets _growth_tracker to a Python int on backoff when the scale is on CPU; "
          "state_dict() then raises AttributeError: 'int' object has no attribute 'item'",
          when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
-         title="state_dict() raises after a backoff, scale on CPU"),
+         title="state_dict() raises after a backoff, scale on CPU",
+         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), fp16 autocast at the default init_scale: the "
+                     "scaled backward overflows by itself, the scale backs off, and state_dict() raises", run="--real-overflow"),
+         needs="cuda"),
     _bug("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"}, {"test_update_with_new_scale"},
          "fairscale ShardedGradScaler.update(new_scale=tensor) asserts a torch.cuda.FloatTensor, so a CPU "
          "tensor for a scale that lives on CPU is refused", when=where(placement="cpu", as_tensor=True), fairscale=FAIRSCALE_0_4_13,
-         title="update(new_scale=CPU tensor) refused"),
+         title="update(new_scale=CPU tensor) refused",
+         reach=Reach(EVERY_RUN, "no overflow: every call update(new_scale=<a CPU tensor>) on a scaler whose scale lives on CPU"),
+         needs="cuda"),
     _bug("fairscale-backoff-only-if-exactly-one-two-devices", {"fairscale_sharded"}, {"test_inf_on_two_devices_backs_off_once"},
          "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; an inf on two "
          "devices sums to 2.0 and the scale grows instead", when=where(placement="mixed_cpu_scale"), fairscale=FAIRSCALE_0_4_13,
-         title="backs off only if found_inf == 1.0: an inf on two devices grows the scale"),
+         title="backs off only if found_inf == 1.0: an inf on two devices grows the scale",
+         reach=Reach(REACHABLE, "as fairscale-backoff-only-if-exactly-one", run="--real-overflow"),
+         standalone="fairscale-backoff-only-if-exactly-one"),
     _bug("torch-sharded-collective-per-device", {"torch_sharded"}, {"test_rank_without_grads_takes_part"},
          "torch ShardedGradScaler issues one all_reduce per device holding grads: a rank with grads on CPU and "
          "CUDA makes two collectives, a rank without grads one, and the group hangs",
          when=where(placement="mixed"), beats_race=True,
-         title="one collective per grad device: CPU+CUDA grads vs a rank without grads hang"),
+         title="one collective per grad device: CPU+CUDA grads vs a rank without grads hang",
+         reach=Reach(EVERY_RUN, "no overflow: every step on which the ranks' sets of grad devices differ (one rank with grads on "
+                     "CPU and CUDA, partial offload; another with none this step)"),
+         needs="cuda"),
     _bug("async-copy-race-busy-gpu", {"torch_amp", "torch_sharded"}, {BUSY},
          "torch.amp.GradScaler and torch's ShardedGradScaler copy inv_scale/found_inf to CPU with non_blocking=True "
          "and use the copies before they land while the GPU is busy: CPU grads are zeroed or an inf is missed. "
          "Bites real loops that "
          "queue GPU work between backward and unscale_/step", when=where(placement=CPU_GRADS_CUDA_SCALE),
-         title="non_blocking CPU copies of inv_scale/found_inf read before they land (busy GPU)"),
+         title="non_blocking CPU copies of inv_scale/found_inf read before they land (busy GPU)",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a CPU-offload loop with the scale on CUDA that queues GPU work "
+                     "between backward and unscale_/step may read the copies before they land (a real FSDP1 CPUOffload"
+                     " fp16 loop with one queued matmul lost 3 to 7 of 20 clean steps); timing-dependent, so the suite"
+                     " keeps the GPU busy to show it"),
+         needs="cuda"),
     # ---- meshes (test_meshes.py, and the sequences on a mesh); the mixed-grads crash first: it raises before any
     # agreement
     _bug("torch-amp-mesh-sequences", {"torch_amp"}, {MESH_SEQUENCES},
@@ -234,27 +309,48 @@ KNOWN_BUGS = [
          "whichever comes first: fp16 grads refused by design (torch-amp-refuses-fp16-grads), found_inf reduced "
          "along the first grad's sharded mesh dims only, so part of the mesh skips while the rest steps "
          "(dtensor-found-inf-first-grad-placements)",
-         title="DTensor grads on a mesh: call sequences reach fp16 refusal or a part-mesh skip, whichever comes first"),
+         title="DTensor grads on a mesh: call sequences reach fp16 refusal or a part-mesh skip, whichever comes first",
+         reach=Reach(REACHABLE, "as its parts; dtensor-found-inf-first-grad-placements shows a real overflow (torch-amp-refuses-"
+                     "fp16-grads needs none)", run="--real-overflow"),
+         standalone="dtensor-found-inf-first-grad-placements"),
     _bug("dtensor-mixed-with-tensor-grads", {"torch_amp", "torch_sharded"}, {MESH},
          "an optimizer holding DTensor params and plain tensor params on the same device and dtype (a model only "
          "partly under FSDP2 or tensor parallelism) crashes torch's scalers: they unscale the grads of one device "
          "and dtype in one torch._amp_foreach_non_finite_check_and_unscale_ call, which DTensor dispatch refuses: "
          "RuntimeError: ... got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor",
          when=lambda params, cuda: "plain" in params.get("order", ()),
-         title="DTensor and plain tensor grads in one optimizer: the unscale kernel call raises"),
-    _bug("dtensor-found-inf-first-grad-placements", {"torch_amp"}, {MESH, MATRIX},
+         title="DTensor and plain tensor grads in one optimizer: the unscale kernel call raises",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard or tensor parallelism, its "
+                     "plain and DTensor params in one optimizer (the file's run: fully_shard on the body only)"),
+         needs="dtensor"),
+    _bug("dtensor-found-inf-first-grad-placements", {"torch_amp"}, {MESH},
          "torch.amp.GradScaler relies on DTensor to agree on found_inf, and DTensor's handler for "
          "torch._amp_foreach_non_finite_check_and_unscale_ (found_inf_reduce_handler) reduces found_inf only "
          "along the mesh dims where the FIRST grad of the list is sharded, over that grad's mesh: with a "
          "TP-replicated param (a norm or bias: the no-decay group put first) or an expert's param on a sub-mesh "
          "first in the optimizer, an inf anywhere else is seen by part of the mesh only, which skips while the "
-         "rest steps. Under FSDP2 HSDP every grad is replicated along the replicate dim, so an inf in one "
-         "replica's grads makes that replica alone skip and back off",
-         when=lambda params, cuda: (where(impl="fsdp2", mesh="hsdp")(params, cuda) if "cell" in params else
-                                    params.get("bad") is not None and "plain" not in params.get("order", ())
+         "rest steps",
+         when=lambda params, cuda: (params.get("bad") is not None and "plain" not in params.get("order", ())
                                     and params["order"][0] in ("replicated", "expert")),
-         title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only (FSDP2 HSDP: "
-               "one replica)"),
+         title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only",
+         reach=Reach(REACHABLE, "FSDP2 over dp on top of tensor parallelism: the scaled backward overflows fp16 only in one tp "
+                     "rank's colwise rows, the TP-replicated bias first in the optimizer; the ranks of the other tp "
+                     "column step", run="--real-overflow"),
+         needs="dtensor"),
+    # the same handler under FSDP2 HSDP: a verdict of its own, since only an injection gets there
+    _bug("dtensor-found-inf-hsdp-one-replica", {"torch_amp"}, {MATRIX},
+         "torch.amp.GradScaler under FSDP2 HSDP: DTensor's found_inf handler reduces along the first grad's sharded "
+         "mesh dims only (dtensor-found-inf-first-grad-placements), and every FSDP2 grad on a (replicate, shard) "
+         "mesh is replicated along the replicate dim, so an inf written into one replica's grads after the "
+         "reduction makes that replica alone skip and back off. An overflow that training makes does not get "
+         "there: FSDP2 all-reduces grads across replicas, so every replica sees it",
+         when=where(impl="fsdp2", mesh="hsdp"),
+         title="FSDP2 HSDP: an inf in one replica's reduced grads skips that replica only (injection only)",
+         reach=Reach(INJECTION_ONLY, "FSDP2 all-reduces grads across the replicate dim after the reduce-scatter, so an overflow born "
+                     "in one replica reaches every replica's shard and every rank skips (a real run confirms it). A "
+                     "job gets here only if its grads differ across replicas after the reduction: a hook that writes "
+                     "grads after it, stepping with set_requires_all_reduce(False), a fault in one replica"),
+         standalone="dtensor-found-inf-first-grad-placements"),
     _bug("fairscale-cpu-found-inf-not-agreed-dtensor", {"fairscale_sharded"}, {MESH, FSDP2},
          "fairscale ShardedGradScaler predates DTensor: with DTensor grads on CPU (FSDP2 or tensor parallelism on "
          "a CPU mesh) it checks each rank's local shard in a Python loop and all-reduces the CPU found_inf on a "
@@ -263,7 +359,10 @@ KNOWN_BUGS = [
          "(seen on torch 2.11, one GPU)",
          when=lambda params, cuda: cuda and bool(params.get("bad")) and params.get("placement", "cpu") == "cpu",
          fairscale=FAIRSCALE_0_4_13,
-         title="DTensor grads on CPU: found_inf never agreed; only the rank whose shard overflowed skips"),
+         title="DTensor grads on CPU: found_inf never agreed; only the rank whose shard overflowed skips",
+         reach=Reach(REACHABLE, "FSDP2 on a 1D CPU mesh of 2 ranks, fp16 autocast, fairscale's scaler on a CUDA machine: the "
+                     "scaled backward overflows only in rows that the reduce-scatter hands to rank 1", run="--real-overflow"),
+         needs="cuda"),
     _bug("fairscale-dtensor-mixed-with-tensor-grads", {"fairscale_sharded"}, {MESH},
          "fairscale ShardedGradScaler unscales CUDA grads as torch's scalers do, one "
          "torch._amp_foreach_non_finite_check_and_unscale_ call per device and dtype "
@@ -272,14 +371,19 @@ KNOWN_BUGS = [
          "loop, which does not; seen on torch 2.11, one GPU)",
          when=lambda params, cuda: params.get("placement") == "cuda" and "plain" in params.get("order", ()),
          fairscale=FAIRSCALE_0_4_13,
-         title="DTensor and plain tensor grads on CUDA in one optimizer: the unscale kernel call raises"),
+         title="DTensor and plain tensor grads on CUDA in one optimizer: the unscale kernel call raises",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard on CUDA, its plain and DTensor "
+                     "params in one optimizer"),
+         needs="cuda"),
     # ---- the FSDP-vs-DDP matrix (tests/matrix)
     _bug("torch-amp-not-shard-aware-fsdp", {"torch_amp"}, {MATRIX},
          "torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1 (and fairscale) an inf in one "
          "rank's grad shard makes only that rank skip and back off. (FSDP2 hides this: DTensor's handler for "
          "_amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf over the mesh.)",
          when=where(world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale")),
-         title="no agreement on found_inf across ranks under FSDP1 and fairscale FSDP"),
+         title="no agreement on found_inf across ranks under FSDP1 and fairscale FSDP",
+         reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
+         standalone="torch-amp-not-shard-aware", by_design=True),
     _bug("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"}, {MATRIX, FUSED},
          "torch ShardedGradScaler + a fused optimizer with a step counter (Adam, AdamW, Adagrad fused=True) after "
          "an explicit unscale_ (the clipping path): its found_inf has shape [1] and the fused kernel's "
@@ -288,7 +392,9 @@ KNOWN_BUGS = [
          when=lambda params, cuda: ((on_scalers_fused_path(params)
                                      and where(fused=STEP_COUNTER_FUSED, explicit_unscale=True)(params, cuda))
                                     if "fused" in params else where(optimizer="adamw", clip="clip")(params, cuda)),
-         title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step"),
+         title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step",
+         reach=Reach(EVERY_RUN, "no overflow: every step of fused Adam, AdamW or Adagrad after an explicit unscale_ (clipping), "
+                     "from the first, clean one (FSDP1 fp16 on 2 ranks raises at step 1 too)")),
     # before fused-sgd-skipped-first-step: the check sees the sum first
     _bug("torch-sharded-hands-fused-a-sum", {"torch_sharded"}, {FUSED},
          "torch ShardedGradScaler.unscale_ all-reduces found_inf with SUM over the ranks and step() hands that "
@@ -296,7 +402,9 @@ KNOWN_BUGS = [
          "the optimizer gets 2.0 and applies the inf/NaN update (fused SGD after an explicit unscale_; Adam, "
          "AdamW and Adagrad crash before, on the sum's shape: torch-sharded-fused-adamw-after-unscale)",
          when=where(fused="SGD", explicit_unscale=True),
-         title="explicit unscale_: found_inf summed over ranks (2.0) makes a fused optimizer step on NaN"),
+         title="explicit unscale_: found_inf summed over ranks (2.0) makes a fused optimizer step on NaN",
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks at the default scale: the scaled backward overflows in both ranks' "
+                     "shards, unscale_ sums found_inf to 2.0, fused SGD applies the update", run="--real-overflow")),
     _bug("fused-sgd-skipped-first-step", {"torch_amp", "torch_sharded"}, {FUSED},
          "fused SGD with momentum allocates its momentum buffers with torch.empty_like on its first step and fills "
          "them inside the kernel; when GradScaler hands it found_inf = 1.0 (the first step overflowed, as fp16 "
@@ -304,7 +412,9 @@ KNOWN_BUGS = [
          "which the next step applies to the params (NaN under deterministic mode, garbage otherwise). "
          "torch.amp.GradScaler and torch's ShardedGradScaler leave the skip to the kernel",
          when=where(fused="SGD"),
-         title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it"),
+         title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it",
+         reach=Reach(REACHABLE, "fp16 autocast at the default init_scale 65536: the first scaled backward overflows by itself, "
+                     "the next are clean, and fused SGD ends all NaN", run="--real-overflow")),
     # before the no-agreement entry: on torch < 2.6 this one is what the cell hits first (it raises)
     _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX, FUSED},
          "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
@@ -315,7 +425,9 @@ KNOWN_BUGS = [
          when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload"))
                                     if "cell" in params else where(fused=STEP_COUNTER_FUSED, placement="cpu"))(params, cuda),
          torch="<2.6",
-         title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow"),
+         title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow",
+         reach=Reach(REACHABLE, "torch < 2.6: FSDP1 fp16 on CPU at the default scale, whose first scaled backward overflows by "
+                     "itself, with fused AdamW", run="--real-overflow")),
     _bug("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}, {MATRIX},
          "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "
          "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
@@ -325,21 +437,28 @@ KNOWN_BUGS = [
          when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2,
                                           impl=("fsdp1", "fairscale"))(params, cuda)
                                     or where(optimizer="adamw", clip="noclip", impl="fsdp2", mesh="hsdp")(params, cuda)),
-         title="fused AdamW: found_inf never agreed across ranks"),
+         title="fused AdamW: found_inf never agreed across ranks",
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight row, in "
+                     "one rank's shard after the reduce-scatter. Its FSDP2 HSDP cells are injection only (see dtensor-"
+                     "found-inf-hsdp-one-replica)", run="--real-overflow")),
     _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX, FUSED},
          "fairscale ShardedGradScaler.step passes grad_scaler=self to an optimizer that supports AMP scaling "
          "(every fused one: Adam, AdamW, SGD, Adagrad), whose step() no longer takes it: TypeError: Adam.step() "
          "got an unexpected keyword argument 'grad_scaler'",
          when=lambda params, cuda: on_scalers_fused_path(params) or where(optimizer="adamw")(params, cuda),
          fairscale=FAIRSCALE_0_4_13,
-         title="fused AdamW: TypeError on the grad_scaler keyword"),
+         title="fused AdamW: TypeError on the grad_scaler keyword",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a fused optimizer"),
+         needs="cuda"),
     _bug("fairscale-state-dict-after-backoff-fsdp", {"fairscale_sharded"}, {MATRIX},
          "fairscale's state_dict() after a backoff (fairscale-state-dict-after-backoff) inside FSDP training: "
          "fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale issue #421) keeps "
          "the scale on CPU, so after the first growth or backoff _growth_tracker is a Python "
          "int and the checkpoint after step 8 raises AttributeError: 'int' object has no attribute 'item'",
          when=where(impl="fairscale", placement=CPU_SCALE, world_size=1), fairscale=FAIRSCALE_0_4_13,
-         title="state_dict() raises after a backoff, in fairscale FSDP CPU-offload training"),
+         title="state_dict() raises after a backoff, in fairscale FSDP CPU-offload training",
+         reach=Reach(REACHABLE, "as fairscale-state-dict-after-backoff", run="--real-overflow"),
+         standalone="fairscale-state-dict-after-backoff"),
     _bug("fairscale-fsdp-mixed-precision-grads", EVERY_SCALER, {MATRIX},
          "fairscale FSDP bug: with mixed_precision and no offload at world size 1 the fp32 params get fp16/bf16 grads; "
          "foreach SGD (flatten_parameters=False) and fused AdamW reject them: 'Tensors of the same index must be on "
@@ -347,7 +466,10 @@ KNOWN_BUGS = [
          when=lambda params, cuda: where(impl="fairscale", offload="nooffload", precision=("fp16", "bf16"),
                                           world_size=1)(params, cuda)
          and (check_param(params, "params", cuda) == "orig" or check_param(params, "optimizer", cuda) == "adamw"), fairscale=FAIRSCALE_0_4_13,
-         title="fairscale FSDP mixed precision, world size 1: fp16/bf16 grads on fp32 params"),
+         title="fairscale FSDP mixed precision, world size 1: fp16/bf16 grads on fp32 params",
+         reach=Reach(EVERY_RUN, "no overflow: every step of fairscale FSDP mixed precision without offload at world size 1 "
+                     "(flatten_parameters=False, or fused AdamW)"),
+         needs="cuda"),
     _bug("fsdp1-keeplow-offload-grad-dtype", EVERY_SCALER, {MATRIX},
          "torch FSDP1 bug: MixedPrecision(keep_low_precision_grads=True) + CPUOffload(offload_params=True): "
          "prepare_gradient_for_optim casts the grad through .data, which makes flat_param._cpu_grad itself "
@@ -358,14 +480,21 @@ KNOWN_BUGS = [
          "_HYBRID_SHARD_ZERO2 raises as FULL_SHARD and SHARD_GRAD_OP do",
          when=lambda params, cuda: (where(impl="fsdp1", offload="offload", grads="keeplow")(params, cuda)
                                     and not where(mesh="hsdp", reshard="reshard")(params, cuda)), beats_race=True,
-         title="FSDP1 keep_low_precision_grads + CPUOffload: the backward after zero_grad() raises"),
+         title="FSDP1 keep_low_precision_grads + CPUOffload: the backward after zero_grad() raises",
+         reach=Reach(EVERY_RUN, "no overflow, no scaler: the second backward of every FSDP1 keep_low_precision_grads + CPUOffload"
+                     " run that zeroes grads with set_to_none=True (the default)"),
+         needs="cuda"),
     _bug("fairscale-busy-gpu", {"fairscale_sharded"}, {BUSY},
          "fairscale ShardedGradScaler reads inv_scale's non_blocking CPU copy before it lands, so CPU grads are "
          "zeroed (the async-copy race of async-copy-race-busy-gpu), and on 2 ranks it never agrees on a CPU "
          "found_inf (fairscale-cpu-found-inf-not-agreed)",
          when=lambda params, cuda: params.get("placement") in CPU_GRADS_CUDA_SCALE
          and not (params.get("bad") and params.get("world_size") == 1), fairscale=FAIRSCALE_0_4_13,
-         title="busy GPU: CPU grads zeroed by the async-copy race; on 2 ranks, no agreement either"),
+         title="busy GPU: CPU grads zeroed by the async-copy race; on 2 ranks, no agreement either",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a loop with the scale on CUDA and the grads on CPU (FSDP CPU offload)"
+                     " that queues GPU work between backward and scaler.step may read the copy before it lands (19 of "
+                     "20 clean trials zeroed the CPU grads)"),
+         needs="cuda"),
 ]
 assert len({bug.id for bug in KNOWN_BUGS}) == len(KNOWN_BUGS), "two KNOWN_BUGS entries share an id"
 
@@ -399,6 +528,17 @@ def race_skip_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str
                 f"async-copy-race-busy-gpu: non_blocking CPU copies of inv_scale/found_inf used before they "
                 f"land); checked deterministically in test_busy_gpu.py")
     return None
+
+
+STANDALONE_DIR = "tests/repro/standalone"  # relative to the repository root
+
+
+def standalone_files(bugs=None) -> dict:
+    """{file stem: [the entries it shows, its own first]} over KNOWN_BUGS (or the given table)."""
+    out: dict = {}
+    for bug in KNOWN_BUGS if bugs is None else bugs:
+        out.setdefault(bug.standalone_file, []).append(bug)
+    return {stem: sorted(shown, key=lambda b: b.id != stem) for stem, shown in out.items()}
 
 
 def repro_bug(spec: str, bug_ids, any_version: bool = False, bugs=None, on=None) -> KnownBug | None:

@@ -68,8 +68,11 @@ def test_rows_are_data_and_render_is_markdown():
     assert r.repro == ("tests/repro/test_a.py", "tests/repro/test_b.py")  # its own case first
     line = bugtable.render([r]).splitlines()[2]
     assert line.startswith(f"| [`{bug.id}`](docs/bugs.md#{bug.id}) | {bug.title} | {bugtable.EVERY_SCALER} |")
-    assert bugtable.render([bugtable.Row("x", "a | b", ("ours",), "<2.6", "", ())]).splitlines()[2] == \
-        "| [`x`](docs/bugs.md#x) | a \\| b | `ours` | `<2.6` | any | conformance / matrix |"
+    assert f"| {bug.reach.kind} | [`{bug.standalone_file}.py`](tests/repro/standalone/{bug.standalone_file}.py)" in line
+    row = bugtable.Row("x", "a | b", ("ours",), "<2.6", "", (), "reachable", "tests/repro/standalone/x.py", "docs/upstream/x.md")
+    assert bugtable.render([row]).splitlines()[2] == (
+        "| [`x`](docs/bugs.md#x) | a \\| b | `ours` | `<2.6` | any | reachable | [`x.py`](tests/repro/standalone/x.py), "
+        "[report](docs/upstream/x.md) | conformance / matrix |")
 
 
 # ------------------------------------------------------------------ (b) one docs/bugs.md section per id
@@ -88,6 +91,16 @@ def section_problems(doc_text: str, ids: list[str]) -> list[str]:
 def test_docs_have_one_section_per_known_bug():
     problems = section_problems(DOC.read_text(encoding="utf-8"), [b.id for b in KNOWN_BUGS])
     assert not problems, "\n".join(problems)
+
+
+def test_each_section_says_whether_real_training_reaches_it_and_names_its_standalone_repro():
+    from tests.known_bugs import STANDALONE_DIR
+
+    doc = DOC.read_text(encoding="utf-8")
+    for bug in KNOWN_BUGS:
+        section = " ".join(doc.split(f"\n## {bug.id}\n", 1)[1].split("\n## ", 1)[0].split())
+        assert f"- Real training: **{bug.reach.kind}**." in section, f"docs/bugs.md ## {bug.id}: its reach"
+        assert f"`python {STANDALONE_DIR}/{bug.standalone_file}.py`" in section, f"docs/bugs.md ## {bug.id}: its file"
 
 
 def test_a_missing_or_stray_section_is_named():

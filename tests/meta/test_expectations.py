@@ -4,10 +4,12 @@ strict xfail (naming its bug or entry) or skip (with its reason), and which know
 attributes the check to. The function is pure, so the table is the whole test: no pytest run, no ranks.
 A table of bugs of its own keeps the rows independent of KNOWN_BUGS' wording; one row checks the real one.
 """
+import dataclasses
+
 import pytest
 from packaging.version import Version
 
-from tests.expectations import Expectation, Machine, ReproOf, expectation
+from tests.expectations import BugShown, Expectation, Machine, ReproOf, expectation
 from tests.known_bugs import EVERY_SCALER, KNOWN_BUGS, KnownBug
 from tests.matrix import axes
 from tests.xfails import Entry
@@ -30,6 +32,8 @@ BUGS = [
     _bug("deterministic-bug", {"torch_sharded"}, tests=("test_racy",), beats_race=True),
     _bug("racy-bug", {"torch_amp"}, tests=("test_racy",)),
     _bug("repro-bug", {"fairscale_sharded"}, tests=()),      # only a repro case names it
+    dataclasses.replace(_bug("cuda-bug", {"torch_amp"}, tests=()), needs="cuda"),  # its standalone file needs CUDA
+    dataclasses.replace(_bug("same-defect", {"torch_amp"}, tests=(), torch="<2.14"), standalone="repro-bug"),
 ]
 ENTRY = Entry("tests/x.py::test_check", "JIRA-12", line=3)
 UNRUNNABLE_CELL = next(c for c in axes.cells(["fsdp1"]) if c.world_size == 8)
@@ -73,6 +77,24 @@ ROWS = [
      Expectation(xfail="reason of repro-bug", bug="repro-bug", bug_any_version="repro-bug")),
     ("repro-case-races-for-a-scaler-without-its-bug", "torch_sharded", "test_repro", {}, GPU,
      ReproOf(("repro-bug",), placement="offload"), None, Expectation(skip=RACE)),
+    ("standalone-bug-in-force-is-an-xfail-that-only-its-bug-satisfies", None, "test_standalone_repro_shows_no_bug",
+     {"standalone": "repro-bug", "mode": "plain"}, CPU, None, None,
+     Expectation(xfail="reason of repro-bug", bug="repro-bug", bug_any_version="repro-bug", raises=BugShown)),
+    ("standalone-real-training-run-likewise", None, "test_standalone_repro_shows_no_bug",
+     {"standalone": "amp-bug", "mode": "real-overflow"}, CPU, None, None,
+     Expectation(xfail="reason of amp-bug", bug="amp-bug", bug_any_version="amp-bug", raises=BugShown)),
+    ("standalone-with-fix-must-pass", None, "test_standalone_repro_shows_no_bug",
+     {"standalone": "repro-bug", "mode": "with-fix"}, CPU, None, None, Expectation(bug_any_version="repro-bug")),
+    ("standalone-bug-fixed-on-this-torch-must-pass", None, "test_standalone_repro_shows_no_bug",
+     {"standalone": "amp-bug", "mode": "plain"}, NEWER_TORCH, None, None, Expectation(bug_any_version="amp-bug")),
+    ("standalone-shared-file-xfails-while-any-of-its-entries-holds", None, "test_standalone_repro_shows_no_bug",
+     {"standalone": "repro-bug", "mode": "plain"}, NEWER_TORCH, None, None,
+     Expectation(xfail="reason of repro-bug", bug="repro-bug", bug_any_version="repro-bug", raises=BugShown)),
+    ("standalone-needs-cuda", None, "test_standalone_repro_shows_no_bug",
+     {"standalone": "cuda-bug", "mode": "plain"}, CPU, None, None, Expectation(skip=("needs CUDA",))),
+    ("standalone-needing-cuda-runs-on-a-gpu-machine", None, "test_standalone_repro_shows_no_bug",
+     {"standalone": "cuda-bug", "mode": "plain"}, GPU, None, None,
+     Expectation(xfail="reason of cuda-bug", bug="cuda-bug", bug_any_version="cuda-bug", raises=BugShown)),
     ("repro-case-shows-its-bug-whatever-the-race", "fairscale_sharded", "test_repro", {}, GPU,
      ReproOf(("repro-bug",), placement="offload"), None,
      Expectation(xfail="reason of repro-bug", bug="repro-bug", bug_any_version="repro-bug")),
@@ -95,6 +117,12 @@ def test_the_policy(spec, test, params, machine, repro_of, their_entry, want):  
 def test_a_repro_case_naming_no_known_bug_is_an_error():
     with pytest.raises(ValueError, match="repro_of\\('no-such-bug'\\): no KNOWN_BUGS entry has that id"):
         expectation("ours", "test_repro", {}, machine=CPU, repro_of=ReproOf(("no-such-bug",)), bugs=BUGS)
+
+
+def test_a_standalone_file_no_entry_names_is_an_error():
+    with pytest.raises(ValueError, match="standalone repro 'nowhere': no KNOWN_BUGS entry names that file"):
+        expectation(None, "test_standalone_repro_shows_no_bug", {"standalone": "nowhere", "mode": "plain"},
+                    machine=CPU, bugs=BUGS)
 
 
 def test_the_real_table_on_a_real_check():

@@ -74,7 +74,7 @@ def _one_replica_overflows(scaler):
 
 
 @case("HSDP (replicate x shard, as FSDP2 places every grad): an inf in one replica's shard (rank 3)",
-      bugs=["dtensor-found-inf-first-grad-placements", "fairscale-disabled-without-cuda"], needs="dtensor")
+      bugs=["dtensor-found-inf-hsdp-one-replica", "fairscale-disabled-without-cuda"], needs="dtensor")
 def test_an_inf_in_one_hsdp_replica(scaler):
     stepped = run_on_ranks(_one_replica_overflows, scaler, world_size=4)
     return Outcome(any(stepped), f"stepped per rank: {stepped}", "every rank skips: [False, False, False, False]")

@@ -1,0 +1,99 @@
+"""The standalone repros (tests/repro/standalone, docs/upstream/README.md) keep their contract, and KNOWN_BUGS
+keeps what the reports and the bug table say of them: one file per entry or shared by one defect's entries,
+nothing imported but the standard library, torch and (in fairscale's files) fairscale, the report's sections in
+every docstring, a real-training run for every reachable entry, the reports and the recorded runs current.
+Static and fast: the files themselves run in the main job (tests/upstream/test_standalone.py).
+"""
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from tests.expectations import NEEDS, BugShown
+from tests.known_bugs import EVERY_RUN, INJECTION_ONLY, KNOWN_BUGS, REACHABLE, STANDALONE_DIR, standalone_files
+from tests.upstream import reports
+from tests.upstream.test_standalone import ROOT, modes, verdict
+
+pytestmark = pytest.mark.harness
+FILES = standalone_files()
+
+
+def _imports(path) -> set:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            out.add("." if node.level else node.module.split(".")[0])
+    return out
+
+
+def test_every_file_is_an_entrys_and_every_entry_has_one():
+    on_disk = {p.stem for p in (ROOT / STANDALONE_DIR).glob("*.py")}
+    assert on_disk == set(FILES), (f"files no KNOWN_BUGS entry names: {sorted(on_disk - set(FILES))}; "
+                                   f"entries without their file: {sorted(set(FILES) - on_disk)}")
+    for stem, shown in FILES.items():
+        assert shown[0].id == stem, f"{stem}.py: shared by {[b.id for b in shown]}, but no entry has its name"
+
+
+@pytest.mark.parametrize("stem", sorted(FILES))
+def test_a_file_imports_only_the_stdlib_torch_and_its_own_upstream(stem):
+    allowed = set(sys.stdlib_module_names) | {"torch"}
+    if any(bug.fairscale for bug in FILES[stem]) or "fairscale" in stem:
+        allowed.add("fairscale")
+    foreign = _imports(ROOT / STANDALONE_DIR / f"{stem}.py") - allowed
+    assert not foreign, f"{stem}.py imports {sorted(foreign)}: a standalone repro is pasted as it is"
+
+
+@pytest.mark.parametrize("stem", sorted(FILES))
+def test_a_file_has_the_reports_sections_and_every_flag_its_modes_run(stem):
+    d = reports.doc(stem)
+    assert d.title and d.body
+    source = (ROOT / STANDALONE_DIR / f"{stem}.py").read_text(encoding="utf-8")
+    for mode in modes(FILES[stem])[1:]:
+        assert f'"--{mode}"' in source, f"{stem}.py has no --{mode} flag, which KNOWN_BUGS runs it with"
+
+
+def test_entries_sharing_a_file_agree_on_versions_and_needs():
+    for stem, shown in FILES.items():
+        assert {(b.torch, b.fairscale) for b in shown} == {(shown[0].torch, shown[0].fairscale)}, stem
+        assert all(not b.needs for b in shown[1:]), f"{stem}: `needs` belongs on the file's own entry"
+        assert shown[0].needs in ("", *NEEDS), f"{stem}: needs={shown[0].needs!r} is no NEEDS key"
+
+
+def test_every_entry_says_whether_real_training_reaches_it():
+    for bug in KNOWN_BUGS:
+        assert bug.reach and bug.reach.kind in (REACHABLE, EVERY_RUN, INJECTION_ONLY), bug.id
+        assert bug.reach.how.strip(), f"{bug.id}: a reach without its evidence or reason"
+        if bug.reach.kind == REACHABLE:
+            assert bug.reach.run.startswith("--"), f"{bug.id}: reachable, but no real-training run shows it"
+
+
+def test_the_reports_are_current():
+    stale = reports.check(ROOT / "docs" / "upstream", reports.load_runs())
+    assert not stale, f"run `python -m tests.upstream.reports --write docs/upstream`: {stale}"
+
+
+def test_the_recorded_runs_cover_every_report_and_match_known_bugs():
+    runs = reports.load_runs()
+    for bug in reports.reported():
+        ran = {r["mode"] for r in runs if r["file"] == bug.id and r["status"] != 77}
+        assert {"plain", "with-fix"} <= ran, (f"{bug.id}: no recorded plain and --with-fix run; run "
+                                              f"`python -m tests.upstream.reports --record docs/upstream/runs.json`")
+    wrong = [r for r in runs if r["file"] in FILES and r["status"] != reports.expected_status(r["file"], r)]
+    assert not wrong, [(r["file"], r["mode"], r["torch"], r["status"]) for r in wrong]
+
+
+def _proc(status, out):
+    return subprocess.CompletedProcess([], status, stdout=out, stderr="Traceback ...")
+
+
+def test_only_the_two_lines_and_status_1_count_as_the_bug():
+    assert verdict(_proc(1, "observed: it stepped\nexpected: it skips\n")) is True
+    assert verdict(_proc(0, "observed: it skipped\nexpected: it skips\n")) is False
+    for status, out in [(1, ""), (1, "observed: x\n"), (2, "observed: x\nexpected: y\n"), (77, "skip: needs CUDA")]:
+        with pytest.raises(AssertionError) as caught:
+            verdict(_proc(status, out))
+        assert not isinstance(caught.value, BugShown), "a crash or a wrong skip must not count as the bug"

@@ -1,0 +1,84 @@
+"""Every standalone repro (tests/repro/standalone/<id>.py, docs/upstream/README.md) run as a maintainer runs it:
+`python FILE` in a child process on this torch, with nothing of this repository on its path. Where an entry it
+shows is in force, the run is a strict xfail that only the file's own "bug is there" (exit 1 after its two lines)
+satisfies; where none is, it must exit 0. So a file that stops reproducing fails the suite, as a strict xfail
+that passes does. Each file runs plain, in each real-training mode of its entries (Reach.run), and with its
+proposed fix, which must exit 0 wherever the file runs. tests/expectations.py decides which (policy item 5).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.expectations import WITH_FIX, BugShown
+from tests.known_bugs import STANDALONE_DIR, standalone_files
+
+pytestmark = pytest.mark.repro
+ROOT = Path(__file__).resolve().parents[2]
+PLAIN = "plain"
+SKIP_STATUS = 77  # the file's own "this machine cannot run me": a wrong guess of its needs fails the check
+TIMEOUT_S = 240  # a file bounds its own hangs (gloo timeouts of 10-20 s); this bounds a file that does not
+
+
+def modes(shown) -> list[str]:
+    """A file's runs: plain; each real-training flag of its entries; --with-fix, unless its bug is torch's
+    design (nothing to fix) or fixed upstream (the fix is upstream's)."""
+    own = shown[0]
+    real = sorted({bug.reach.run.lstrip("-") for bug in shown if bug.reach and bug.reach.run})
+    fix = [] if own.by_design or own.torch else [WITH_FIX]
+    return [PLAIN, *real, *fix]
+
+
+def _params():
+    return [pytest.param(stem, mode, id=stem if mode == PLAIN else f"{stem}-{mode}")
+            for stem, shown in standalone_files().items() for mode in modes(shown)]
+
+
+def run_file(stem: str, mode: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    """`python FILE [--MODE]` from an empty directory, this repository off PYTHONPATH: only what the
+    environment installs (torch, fairscale) can be imported from the file, as where a maintainer pastes it."""
+    path = ROOT / STANDALONE_DIR / f"{stem}.py"
+    env = dict(os.environ)
+    keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p).resolve() == ROOT or ROOT in Path(p).resolve().parents)]
+    env["PYTHONPATH"] = os.pathsep.join(keep)
+    argv = [python, str(path)] + ([] if mode == PLAIN else [f"--{mode}"])
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def verdict(proc: subprocess.CompletedProcess) -> bool:
+    """Did the bug show (True) or not (False)? AssertionError for anything else: a skip the expectation did not
+    allow, a traceback, a status without the two lines."""
+    out = proc.stdout.strip().splitlines()
+    said = "\n".join(out[-6:])
+    if proc.returncode == SKIP_STATUS:
+        raise AssertionError(f"the file skipped itself where its KNOWN_BUGS `needs` say it runs: {said}")
+    if proc.returncode not in (0, 1):
+        raise AssertionError(f"exit status {proc.returncode}, neither 0 (fixed) nor 1 (the bug):\n{said}\n"
+                             f"{proc.stderr[-3000:]}")
+    observed = [line for line in out if line.startswith("observed: ")]
+    expected = [line for line in out if line.startswith("expected: ")]
+    if not observed or len(observed) != len(expected):
+        raise AssertionError(f"exit status {proc.returncode} without its observed/expected lines:\n{said}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc.returncode == 1
+
+
+RECORD_DIR = "FSDP_AMP_STANDALONE_RECORD"  # env: a directory to write each run's record into (the reports' runs)
+
+
+@pytest.mark.parametrize("standalone, mode", _params())
+def test_standalone_repro_shows_no_bug(standalone, mode):
+    proc = run_file(standalone, mode)
+    if os.environ.get(RECORD_DIR):
+        from tests.upstream.reports import record
+
+        record(standalone, mode, proc, Path(os.environ[RECORD_DIR]))
+    if verdict(proc):
+        raise BugShown(proc.stdout.strip())
