@@ -344,7 +344,7 @@ KNOWN_BUGS = [
          "mesh is replicated along the replicate dim, so an inf written into one replica's grads after the "
          "reduction makes that replica alone skip and back off. An overflow that training makes does not get "
          "there: FSDP2 all-reduces grads across replicas, so every replica sees it",
-         when=where(impl="fsdp2", mesh="hsdp"),
+         when=where(impl="fsdp2", mesh="hsdp", overflow="injected"),
          title="FSDP2 HSDP: an inf in one replica's reduced grads skips that replica only (injection only)",
          reach=Reach(INJECTION_ONLY, "FSDP2 all-reduces grads across the replicate dim after the reduce-scatter, so an overflow born "
                      "in one replica reaches every replica's shard and every rank skips (a real run confirms it). A "

@@ -51,6 +51,10 @@ AXES = {
                                                # over dp (cell.TP_PLAN)
     "shape": ((2, 2), (2, 4), (4, 2)),         # a mesh's (dim 0, dim 1) sizes, ids 2x2 ...: 2x2 at world size 4;
                                                # 2x4 and 4x2 at world size 8 (only with 8 GPUs). 1d cells: unused
+    "overflow": ("injected", "climb", "reduction"),  # injected: the schedule of cell.py (values written into grads,
+                                               # overflowing inputs); climb: the scale grows until the fp16 backward
+                                               # overflows by itself, cycle after cycle; reduction: every rank's grads
+                                               # finite, their fp16 sum overflows (natural_cells)
 }
 FULL = ("impl", "offload", "precision", "wrapping", "world_size")
 PAIRWISE = ("params", "reshard", "optimizer", "grads", "clip")
@@ -58,6 +62,7 @@ MODEL = "model"  # pairwise, in a second pass; its first value is the default an
 GROUPS = "groups"  # pairwise, in a third pass; likewise
 MESH = "mesh"  # extra cells (mesh_cells); its first value is every other cell's, left out of ids
 SHAPE = "shape"  # of the mesh cells; its first value (2x2: runs on CPU and on one GPU) is left out of ids
+OVERFLOW = "overflow"  # extra cells (natural_cells); its first value is every other cell's, left out of ids
 LATER = (MODEL, GROUPS)  # the axes of the later passes, in order
 ONLY = {  # (implementation, axis) -> the values it has; others are invalid
     ("fsdp2", "params"): ("orig",),
@@ -109,11 +114,12 @@ class Cell:
     groups: str = AXES[GROUPS][0]
     mesh: str = AXES[MESH][0]
     shape: tuple = AXES[SHAPE][0]
+    overflow: str = AXES[OVERFLOW][0]
 
     @property
     def id(self) -> str:
         return "-".join(_id_part(f.name, v) for f, v in zip(fields(self), astuple(self))
-                        if not (f.name in (MODEL, GROUPS, MESH, SHAPE) and v == AXES[f.name][0]))
+                        if not (f.name in (MODEL, GROUPS, MESH, SHAPE, OVERFLOW) and v == AXES[f.name][0]))
 
     def __str__(self) -> str:
         return self.id
@@ -211,6 +217,33 @@ def mesh_cells(impl: str) -> list[Cell]:
                 best = max(options, key=lambda c: len(covers(c) & uncovered))
                 uncovered -= covers(best)
                 out.append(Cell(**best))
+    return out
+
+
+# overflow kind -> the (offload, world size, mesh) it runs at, for every implementation that has the mesh. fp16, nested,
+# SGD, upcast grads, no clip: the overflow is the variable. climb at world size 1 and 2 (a tp mesh: dp 2): there
+# FSDP divides by 2 before an fp16 sum of 2, so no sum exceeds its largest term and every overflow is born in a
+# rank's backward, on the ranks whose shard holds it. reduction at world size 4 (1d and hsdp): FSDP divides by 2
+# before and after an fp16 sum of 4 (FSDP1 _get_gradient_predivide_factor, FSDP2 _get_gradient_divide_factors,
+# fairscale alike), so a sum can reach twice its largest term: with every rank's data the same, each overflow is
+# born in the reduction (in HSDP's replicate all-reduce), on the ranks that own the element.
+NATURAL = {
+    "climb": (("nooffload", 1, "1d"), ("offload", 1, "1d"), ("nooffload", 2, "1d"), ("offload", 2, "1d"),
+              ("nooffload", 4, "tp")),
+    "reduction": (("nooffload", 4, "1d"), ("nooffload", 4, "hsdp")),
+}
+
+
+def natural_cells(impls=AXES["impl"]) -> list[Cell]:
+    """The cells whose overflows training makes by itself (NATURAL), for each implementation on the meshes it has."""
+    out = []
+    for kind, configs in NATURAL.items():
+        for impl in impls:
+            for offload, world_size, mesh in configs:
+                if mesh in _allowed(impl, MESH):
+                    params = "flat" if impl == "fairscale" else "orig"  # fairscale: mixed precision needs flat
+                    out.append(Cell(impl, offload, "fp16", "nested", world_size, params, "reshard", "sgd", "upcast",
+                                    "noclip", mesh=mesh, overflow=kind))
     return out
 
 

@@ -23,6 +23,15 @@ An injected value reaches every rank of the reference (DDP grads are replicated)
 has two param groups wherever there are two params (same hyperparameters, so FSDP's flat params
 need not split like DDP's): the injected grads sit in different groups.
 
+Natural-overflow cells (axes.natural_cells) run another schedule: nothing is injected and no input overflows;
+CLIMB_SCALER_ARGS let the scale grow until the fp16 backward overflows by itself, then back off and regrow, for
+NATURAL_STEPS steps (the checkpoint resume as above). In "reduction" cells every data-parallel rank gets the same
+micro-batch, so every rank's grads are alike and finite while their fp16 sum overflows (axes.NATURAL says why at
+world size 4). The reference then reduces as FSDP does in fp16 (fsdp_like_reduction: divide before and after an
+fp16 sum), where plain DDP divides by the world size first and never overflows in its sum; its hook also records
+whether this rank's own grads were finite before the sum. Each step records the non-finite values in the FSDP
+side's reduced grads on each rank (+inf, -inf, NaN): how the overflow reaches the scaler, and where.
+
 On a mesh (axes.AXES["mesh"]) the world is a 2D DeviceMesh of the cell's shape (2x2; 2x4 or 4x2 on 8 GPUs).
 hsdp: every rank is data parallel, as on 1d. tp: the ranks of one dp group hold TP shards of one replica and
 get the same micro-batch, so the reference is DDP over the dp group; the injections go into a TP-sharded grad
@@ -51,6 +60,10 @@ OVERFLOW_STEP = 7
 RESUME_AFTER = 8  # one clean step after the backoff at step 7: the tracker is 1
 INPUT_INF_STEP = 12  # after the growth at step 10: a real overflow at a scale of 2**12
 SCALER_ARGS = dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.5, growth_interval=3)
+# natural cells: from the default init_scale, doubling every 2 clean steps; the small model's fp16 backward overflows
+# at 2**17-2**18 (at world size 2: steps 4, 7, 8, 12 on CPU), so a 16-step run makes 3-5 overflow cycles
+CLIMB_SCALER_ARGS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+NATURAL_STEPS = 16
 
 
 class Injection(NamedTuple):
@@ -118,7 +131,17 @@ def build_model(kind: str = "small", even: bool = False) -> nn.Module:
 
 
 def injections(cell) -> dict:
+    if cell.overflow != "injected":
+        return {}
     return TP_INJECTIONS if cell.mesh == "tp" else INJECTIONS
+
+
+def scaler_args(cell) -> dict:
+    return SCALER_ARGS if cell.overflow == "injected" else CLIMB_SCALER_ARGS
+
+
+def steps(cell) -> int:
+    return STEPS if cell.overflow == "injected" else NATURAL_STEPS
 
 
 def data_parallel(cell, mesh) -> tuple:
@@ -142,8 +165,11 @@ def micro_batch(step: int, rank: int, world_size: int, overflow: str | None):
     return x, y
 
 
-def data_overflow(step: int, dtype) -> str | None:
-    """The overflow rank 0's micro-batch carries at this step (micro_batch's `overflow`), if any."""
+def data_overflow(step: int, dtype, cell=None) -> str | None:
+    """The overflow rank 0's micro-batch carries at this step (micro_batch's `overflow`), if any: none in a
+    natural-overflow cell."""
+    if cell is not None and cell.overflow != "injected":
+        return None
     if step == OVERFLOW_STEP and dtype == torch.float16:
         return "fp16"
     return "inf" if step == INPUT_INF_STEP else None
@@ -194,12 +220,12 @@ def inject_in_local_shard(params, which: str, value: float, tp: str | None = Non
     raise AssertionError(f"this rank holds no grad shard to inject into (among params {tp or 'of any placement'})")
 
 
-def resume(scaler, scaler_spec: str, device: torch.device):
+def resume(scaler, scaler_spec: str, device: torch.device, args: dict = SCALER_ARGS):
     """A checkpoint round trip: state_dict -> torch.save -> torch.load -> a fresh scaler."""
     buf = io.BytesIO()
     torch.save(scaler.state_dict(), buf)
     buf.seek(0)
-    fresh = make_scaler(scaler_spec, device=device.type, **SCALER_ARGS)
+    fresh = make_scaler(scaler_spec, device=device.type, **args)
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     return fresh
 
@@ -229,6 +255,41 @@ def _zero_grad_probe(model, opt) -> dict[str, torch.Tensor]:
     return full_params(model)
 
 
+def predivide_factor(world_size: int) -> int:
+    """FSDP's split of the 1/world_size average around an fp16 sum (FSDP1 DefaultState._get_gradient_predivide_factor;
+    FSDP2 and fairscale compute the same): the largest power of 2 f with world_size % f == 0 and f * f <= world_size,
+    roughly sqrt(world_size), so that neither the terms nor the sum leave fp16's range as easily."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return factor
+
+
+def fsdp_like_reduction(group, world_size: int, local_finite: list):
+    """A DDP comm hook that reduces as FSDP does in fp16: divide by predivide_factor, SUM in the grads' dtype, divide
+    by the rest. Appends to local_finite whether this rank's own bucket was finite before the sum."""
+    pre = predivide_factor(world_size)
+    post = world_size / pre
+
+    def hook(state, bucket):
+        grads = bucket.buffer()
+        local_finite.append(bool(grads.isfinite().all()))
+        grads.div_(pre)
+        fut = dist.all_reduce(grads, group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(post))
+    return hook
+
+
+def nonfinite(params) -> tuple[int, int, int]:
+    """(+inf, -inf, NaN) counts in this rank's local shards of the grads: how an overflow reaches the scaler."""
+    pos = neg = nan = 0
+    for p in params:
+        if p.grad is not None:
+            g = _local(p.grad)
+            pos, neg, nan = pos + int((g == math.inf).sum()), neg + int((g == -math.inf).sum()), nan + int(g.isnan().sum())
+    return pos, neg, nan
+
+
 def _local_params(params) -> list[torch.Tensor]:
     return [_local(p).detach().clone() for p in params]
 
@@ -246,17 +307,20 @@ class Reference:
     scaler requires, then rounds them to that dtype before the optimizer step. Unscaling by a power
     of two is exact, so both sides hand their optimizers the same values."""
 
-    def __init__(self, base: nn.Module, cell, device: torch.device, group=None):
+    def __init__(self, base: nn.Module, cell, device: torch.device, group=None, dp_size: int = 1):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         dtype = DTYPES[cell.precision]
         self.master = copy.deepcopy(base).to(device)
         self.replica = copy.deepcopy(self.master).to(dtype or torch.float32)
         self.ddp = DDP(self.replica, device_ids=[device] if device.type == "cuda" else None, process_group=group)
+        self.local_finite = []  # natural cells: per bucket, whether this rank's own grads were finite before the sum
+        if cell.overflow != "injected":
+            self.ddp.register_comm_hook(None, fsdp_like_reduction(group, dp_size, self.local_finite))
         self.low_grads = dtype if cell.grads == "keeplow" else None
         self.opt = make_optimizer(cell.optimizer, self.master.named_parameters(), self.low_grads is not None,
                                   cell.groups)
-        self.scaler = torch.amp.GradScaler(device.type, **SCALER_ARGS)
+        self.scaler = torch.amp.GradScaler(device.type, **scaler_args(cell))
 
     def backward(self, x, y) -> torch.Tensor:
         loss = F.mse_loss(self.ddp(x).float(), y)
@@ -301,6 +365,10 @@ class CellRun:
     grad_dtypes: list = field(default_factory=list)
     params: dict = field(default_factory=dict)  # {"fsdp" | "ref": {name: full fp32 tensor}} after the last step
     probe: dict = field(default_factory=dict)  # the same after one zero-grad step (what the optimizer state does)
+    nonfinite: list = field(default_factory=list)  # natural cells, a step each: (+inf, -inf, NaN) in this rank's
+                                                   # reduced FSDP grads before unscale
+    local_finite: list = field(default_factory=list)  # natural cells, a step each: this rank's own reference grads
+                                                      # were finite before the sum
 
 
 def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
@@ -322,8 +390,8 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
         raise TypeError(f"--fsdp {impl_spec}: factory(module, settings) returned an object of type "
                         f"{type(model).__name__}, not the wrapped torch.nn.Module")
     opt = make_optimizer(cell.optimizer, model.named_parameters(), settings.low_precision_grads, cell.groups)
-    scaler = make_scaler(scaler_spec, device=device.type, **SCALER_ARGS)
-    ref = Reference(base, cell, device, dp_group)
+    scaler = make_scaler(scaler_spec, device=device.type, **scaler_args(cell))
+    ref = Reference(base, cell, device, dp_group, dp_size)
     fsdp_params, ref_params = list(model.parameters()), list(ref.master.parameters())
     # an implementation may move the loss to its params' device before scaling (fairscale's seed path: CPU with
     # offload, so the scale lives on CPU); elsewhere it is scaled where it was computed
@@ -331,10 +399,11 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
     clip = getattr(model, "clip_grad_norm_", None) or (
         lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     log = {side: {"loss": [], "stepped": [], "scale": []} for side in ("fsdp", "ref")}
-    injected = {}
-    for step in range(STEPS):
-        overflow = data_overflow(step, dtype)
-        x, y = micro_batch(step, dp_rank, dp_size, overflow=overflow if dp_rank == 0 else None)
+    injected, seen, local_finite = {}, [], []
+    same_data = cell.overflow == "reduction"  # every rank's grads alike: their fp16 sum is twice a finite term
+    for step in range(steps(cell)):
+        overflow = data_overflow(step, dtype, cell)
+        x, y = micro_batch(step, 0 if same_data else dp_rank, dp_size, overflow=overflow if dp_rank == 0 else None)
         x, y = x.to(device, dtype or torch.float32), y.to(device)
         inject = None if overflow else injections(cell).get(step)
         owner = None if inject is None else {"first": 0, "last": world_size - 1}[inject.rank]
@@ -346,6 +415,8 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
         scaled.backward()
         if inject and rank == owner:
             injected[step] = inject_in_local_shard(fsdp_params, inject.grad, inject.value, inject.tp)
+        if cell.overflow != "injected":
+            seen.append(nonfinite(fsdp_params))
         if cell.clip == "clip":
             scaler.unscale_(opt)
             clip(MAX_NORM)
@@ -356,7 +427,10 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
 
         # --- the reference: DDP, torch.amp.GradScaler, the inf on every rank (grads are replicated)
         ref.opt.zero_grad(set_to_none=True)
+        ref.local_finite.clear()
         ref_loss = ref.backward(x, y)
+        if cell.overflow != "injected":
+            local_finite.append(all(ref.local_finite))
         if inject:
             inject_in_local_shard(ref_params, inject.grad, inject.value)
         before = _local_params(ref_params)
@@ -365,13 +439,15 @@ def train_cell(cell, scaler_spec: str, impl_spec: str) -> CellRun:
         _record(log["ref"], ref_loss, ref_params, before, ref.scaler)
         if step == RESUME_AFTER:
             try:
-                scaler = resume(scaler, scaler_spec, device)
+                scaler = resume(scaler, scaler_spec, device, scaler_args(cell))
             except Exception as exc:  # noqa: BLE001 - reported after any earlier divergence (the likelier cause)
-                return CellRun(log=log, injected=injected, crashed=f"resuming the FSDP side's scaler from its "
-                               f"state_dict after step {step} raised {type(exc).__name__}: {exc}")
+                return CellRun(log=log, injected=injected, nonfinite=seen, local_finite=local_finite,
+                               crashed=f"resuming the FSDP side's scaler from its state_dict after step {step} "
+                                       f"raised {type(exc).__name__}: {exc}")
 
     grad_devices = sorted({str(_local(p.grad).device) for p in model.parameters() if p.grad is not None})
     grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
-    return CellRun(log=log, injected=injected, grad_devices=grad_devices, grad_dtypes=grad_dtypes,
+    return CellRun(log=log, injected=injected, nonfinite=seen, local_finite=local_finite,
+                   grad_devices=grad_devices, grad_dtypes=grad_dtypes,
                    params=dict(fsdp=full_params(model), ref=full_params(ref.master)),
                    probe=dict(fsdp=_zero_grad_probe(model, opt), ref=_zero_grad_probe(ref.master, ref.opt)))

@@ -9,5 +9,5 @@ def _impls(config):
 
 def pytest_generate_tests(metafunc):
     if "cell" in metafunc.fixturenames:
-        generated = axes.cells(_impls(metafunc.config))
+        generated = axes.cells(_impls(metafunc.config)) + axes.natural_cells(_impls(metafunc.config))
         metafunc.parametrize("cell", generated, ids=[c.id for c in generated])

@@ -14,7 +14,7 @@ import torch
 
 from tests.harness import run_on_ranks
 from tests.matrix import axes, implementations
-from tests.matrix.cell import INPUT_INF_STEP, OVERFLOW_STEP, RESUME_AFTER, SCALER_ARGS, injections, train_cell
+from tests.matrix.cell import INPUT_INF_STEP, OVERFLOW_STEP, RESUME_AFTER, injections, scaler_args, train_cell
 from tests.scalers import BUILTINS as BUILTIN_SCALERS
 
 pytestmark = pytest.mark.matrix
@@ -40,7 +40,7 @@ def test_fsdp_matches_ddp(cell, scaler, request):
                        device=axes.cell_device_mode(cell, _n_gpus()))
     if out[0].unsupported:
         pytest.skip(out[0].unsupported)
-    problem = divergence(cell, out) or scaler_idle(out)
+    problem = divergence(cell, out) or scaler_idle(cell, out) or natural_overflow_missing(cell, out)
     if problem:
         pytest.fail(f"{problem}\n\n{step_table(out)}\n\nrerun this cell alone:\n  {rerun_command(request, cell, scaler)}",
                     pytrace=False)
@@ -89,6 +89,8 @@ def _steps_run(out) -> int:
 
 
 def _event(step, cell, r) -> str:
+    if cell.overflow != "injected":
+        return _natural_event(step, r)
     if step == OVERFLOW_STEP and cell.precision == "fp16":
         return " (rank 0's micro-batch overflows fp16)"
     if step == INPUT_INF_STEP:
@@ -103,25 +105,72 @@ def _event(step, cell, r) -> str:
     return ""
 
 
-def scaler_idle(out) -> str | None:
-    """A cell where the scaler never grew, never backed off, or no step applied proves nothing."""
+def _natural_event(step, r) -> str:
+    if step >= len(r.nonfinite) or not any(r.nonfinite[step]):
+        return ""
+    pos, neg, nan = r.nonfinite[step]
+    born = ", born in the reduction: this rank's own grads were finite" if r.local_finite[step] else ""
+    return f" (the overflow reached this rank's reduced grads as {pos} +inf, {neg} -inf, {nan} NaN{born})"
+
+
+# a natural cell must make these cycles by itself: overflow, back off, regrow
+NATURAL_BACKOFFS = 3
+
+
+def scaler_idle(cell, out) -> str | None:
+    """A cell where the scaler never grew, never backed off, or no step applied proves nothing; a natural cell
+    must make NATURAL_BACKOFFS overflow cycles, a growth after each but the last."""
     log = out[0].log["ref"]
-    before = [SCALER_ARGS["init_scale"]] + log["scale"][:-1]
-    grew = any(b > a for a, b in zip(before, log["scale"]))
-    backed_off = any(b < a for a, b in zip(before, log["scale"]))
-    if not (grew and backed_off and any(log["stepped"]) and not all(log["stepped"])):
-        return f"the cell did not exercise the scaler (grew={grew}, backed off={backed_off}, steps={log['stepped']})"
+    before = [scaler_args(cell)["init_scale"]] + log["scale"][:-1]
+    grew = [b > a for a, b in zip(before, log["scale"])]
+    backed_off = [b < a for a, b in zip(before, log["scale"])]
+    if not (any(grew) and any(backed_off) and any(log["stepped"]) and not all(log["stepped"])):
+        return (f"the cell did not exercise the scaler (grew={any(grew)}, backed off={any(backed_off)}, "
+                f"steps={log['stepped']})")
+    cycles = sum(b and any(grew[i + 1:]) for i, b in enumerate(backed_off)) + 1
+    if cell.overflow != "injected" and (sum(backed_off) < NATURAL_BACKOFFS or cycles < NATURAL_BACKOFFS):
+        return (f"the cell's scale did not climb into {NATURAL_BACKOFFS} overflow cycles by itself "
+                f"(backed off at steps {[i for i, b in enumerate(backed_off) if b]}, grew at "
+                f"{[i for i, g in enumerate(grew) if g]})")
+    return None
+
+
+def natural_overflow_missing(cell, out) -> str | None:
+    """What a natural cell exists for, seen in the FSDP side's reduced grads: an overflow that reaches the scaler
+    as +-inf and no NaN (the commonest real one, which a wrapper clamping its grads hides); at world size >= 2, on
+    some ranks only (so the ranks must agree); in a reduction cell, born in the reduction (every rank's own grads
+    finite). Checked after the comparison with DDP, so a wrapper that hides an overflow fails there first."""
+    if cell.overflow == "injected":
+        return None
+    steps = range(len(out[0].nonfinite))
+    holds = [[r.nonfinite[s] for r in out] for s in steps]  # [step][rank] -> (+inf, -inf, NaN)
+    overflowed = [s for s in steps if any(any(c) for c in holds[s])]
+    if not any(all(c[2] == 0 for c in holds[s]) for s in overflowed):
+        return f"no overflow reached the scaler as +-inf without NaN (overflow steps {overflowed})"
+    if cell.world_size > 1 and cell.mesh != "tp" and not any(not all(any(c) for c in holds[s]) for s in overflowed):
+        return f"every overflow reached every rank's reduced grads: the ranks never had to agree (steps {overflowed})"
+    if cell.overflow == "reduction" and not any(all(r.local_finite[s] for r in out) for s in overflowed):
+        return f"no overflow was born in the reduction: some rank's own grads overflowed at each of {overflowed}"
     return None
 
 
 def step_table(out) -> str:
-    lines = ["step  rank  loss FSDP / DDP                     stepped F/D   scale F/D"]
+    natural = bool(out[0].nonfinite)
+    lines = ["step  rank  loss FSDP / DDP                     stepped F/D   scale F/D"
+             + ("            overflow in the reduced grads (+inf/-inf/NaN; own grads)" if natural else "")]
     for step in range(_steps_run(out)):
         for rank, r in enumerate(out):
             f, d = r.log["fsdp"], r.log["ref"]
             mark = "" if (f["stepped"][step], f["scale"][step]) == (d["stepped"][step], d["scale"][step]) else "  <-"
+            seen = ""
+            if natural:
+                counts = r.nonfinite[step]
+                seen = ("/".join(map(str, counts)) + ("; own finite" if r.local_finite[step] else "; own overflowed")
+                        if any(counts) else "-")
+                seen = f"  {seen}"
             lines.append(f"{step:4d}  {rank:4d}  {f['loss'][step]:<16.9g}/ {d['loss'][step]:<16.9g}  "
-                         f"{f['stepped'][step]!s:5}/{d['stepped'][step]!s:5}  {f['scale'][step]:g}/{d['scale'][step]:g}{mark}")
+                         f"{f['stepped'][step]!s:5}/{d['stepped'][step]!s:5}  "
+                         f"{f['scale'][step]:g}/{d['scale'][step]:g}{mark}{seen}")
     r0 = out[0]
     if r0.grad_devices:
         lines.append(f"FSDP grads on rank 0: devices {r0.grad_devices}, dtypes {r0.grad_dtypes}")

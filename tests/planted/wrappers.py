@@ -9,20 +9,24 @@ import torch
 import torch.distributed as dist
 
 from tests.matrix import implementations
+from tests.matrix.cell import predivide_factor
 from tests.planted.registry import broken_wrapper
 
 
 def _comm_hook(average=True, guard=None):
-    """An FSDP1 comm hook: all-reduce (NO_SHARD strategies pass only grad) or reduce-scatter by SUM, then
-    divide by the world size if `average` (as FSDP does), then `guard` the reduced grad in place if given."""
+    """An FSDP1 comm hook: all-reduce (NO_SHARD strategies pass only grad) or reduce-scatter by SUM, with the
+    1/world_size average split around the sum if `average` (as FSDP does: cell.predivide_factor, so an fp16 sum
+    overflows exactly where FSDP's does), then `guard` the reduced grad in place if given."""
     def hook(state, grad, output=None):
         reduced = grad if output is None else output
+        pre = predivide_factor(dist.get_world_size()) if average else 1
+        grad.div_(pre)
         if output is None:
             dist.all_reduce(grad)
         else:
             dist.reduce_scatter_tensor(output, grad)
         if average:
-            reduced.div_(dist.get_world_size())
+            reduced.div_(dist.get_world_size() / pre)
         if guard is not None:
             guard(reduced)
     return hook
@@ -59,6 +63,30 @@ def fsdp1_nan_to_num_grads(module, settings):
     """FSDP1 whose comm hook applies torch.nan_to_num_ to the reduced grads (zeros NaNs, clamps infs)."""
     model = implementations.fsdp1(module, settings)
     model.register_comm_hook(dist.group.WORLD, _comm_hook(guard=torch.nan_to_num_))
+    return model
+
+
+def _clamp_to_finite(grad):
+    limit = torch.finfo(grad.dtype).max
+    grad.clamp_(-limit, limit)
+
+
+@broken_wrapper("fsdp1_clamps_grads")  # +-inf clamped to the dtype's largest finite value; NaN stays: passes every
+@_fsdp1_with_one_defect                # injected cell, fails where training makes the inf (climb, reduction)
+def fsdp1_clamps_grads(module, settings):
+    """FSDP1 whose comm hook clamps the reduced grads into their dtype's finite range (a guard some training stacks
+    add): an overflow that reaches the grads as +-inf is stepped on instead of skipped."""
+    model = implementations.fsdp1(module, settings)
+    model.register_comm_hook(dist.group.WORLD, _comm_hook(guard=_clamp_to_finite))
+    return model
+
+
+@broken_wrapper("fsdp1_zeros_inf_grads")  # +-inf zeroed, NaN left: likewise only a natural overflow shows it
+@_fsdp1_with_one_defect
+def fsdp1_zeros_inf_grads(module, settings):
+    """FSDP1 whose comm hook zeros infinite values in the reduced grads (grad[grad.isinf()] = 0)."""
+    model = implementations.fsdp1(module, settings)
+    model.register_comm_hook(dist.group.WORLD, _comm_hook(guard=lambda g: g.masked_fill_(g.isinf(), 0.0)))
     return model
 
 
