@@ -77,11 +77,14 @@ def test_the_reports_are_current():
 
 
 def test_the_recorded_runs_cover_every_report_and_match_known_bugs():
+    """Every report of a bug that shows without CUDA has its recorded runs (a CUDA-only one is recorded from the GPU
+    gate's runs, --merge, and says so until then), and every recorded status is what KNOWN_BUGS expects."""
     runs = reports.load_runs()
     for bug in reports.reported():
         ran = {r["mode"] for r in runs if r["file"] == bug.id and r["status"] != 77}
-        assert {"plain", "with-fix"} <= ran, (f"{bug.id}: no recorded plain and --with-fix run; run "
-                                              f"`python -m tests.upstream.reports --record docs/upstream/runs.json`")
+        if bug.needs != "cuda":
+            assert {"plain", "with-fix"} <= ran, (f"{bug.id}: no recorded plain and --with-fix run; run `python -m "
+                                                  f"tests.upstream.reports --record docs/upstream/runs.json`")
     wrong = [r for r in runs if r["file"] in FILES and r["status"] != reports.expected_status(r["file"], r)]
     assert not wrong, [(r["file"], r["mode"], r["torch"], r["status"]) for r in wrong]
 

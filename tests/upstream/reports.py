@@ -166,8 +166,11 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
         lines += [f"- seen on torch {t}" + (f", fairscale {f}" if f != "-" and "fairscale" in bug.fairscale + stem else "")
                   + f", {'CPU' if dev == 'cpu' else dev.replace('_', ' ')}" for t, f, dev in seen]
     else:
-        lines.append("- not yet run by `python -m tests.upstream.reports --record`")
-    lines += [f"- KNOWN_BUGS claims it on torch {bug.torch or 'every supported version (2.4.1 .. 2.15.0 sources)'}"
+        lines.append("- not yet recorded" + (" on a GPU (the GPU gate records it: `ci/gpu.sh` writes the runs, "
+                     "`python -m tests.upstream.reports --record docs/upstream/runs.json --merge OUT/standalone-runs`)"
+                     if bug.needs == "cuda" else ": `python -m tests.upstream.reports --record docs/upstream/runs.json`"))
+    lines += [f"- KNOWN_BUGS claims it on " + (f"torch `{bug.torch}`" if bug.torch else
+                                               "every supported torch (its code is unchanged in the 2.4.1 .. 2.15.0 sources)")
               + (f", fairscale `{bug.fairscale}`" if bug.fairscale else ""), "",
               "## Reproduce", "", f"`{STANDALONE_DIR}/{stem}.py`, with nothing but torch"
               + (" and fairscale" if "fairscale" in stem else "") + " installed:", "", "```python",
