@@ -169,7 +169,7 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
         lines.append("- not yet recorded" + (" on a GPU (the GPU gate records it: `ci/gpu.sh` writes the runs, "
                      "`python -m tests.upstream.reports --record docs/upstream/runs.json --merge OUT/standalone-runs`)"
                      if bug.needs == "cuda" else ": `python -m tests.upstream.reports --record docs/upstream/runs.json`"))
-    lines += [f"- KNOWN_BUGS claims it on " + (f"torch `{bug.torch}`" if bug.torch else
+    lines += ["- KNOWN_BUGS claims it on " + (f"torch `{bug.torch}`" if bug.torch else
                                                "every supported torch (its code is unchanged in the 2.4.1 .. 2.15.0 sources)")
               + (f", fairscale `{bug.fairscale}`" if bug.fairscale else ""), "",
               "## Reproduce", "", f"`{STANDALONE_DIR}/{stem}.py`, with nothing but torch"
