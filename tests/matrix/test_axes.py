@@ -114,3 +114,20 @@ def test_an_implementation_is_one_record_a_plugged_factory_can_declare_too():
     hsdp = next(c for c in axes.cells([plain]) if c.mesh == "hsdp")
     assert "does not declare the hsdp mesh" in axes.skip_reason(hsdp, n_gpus=0)
     assert implementations.record("fsdp2").meshes == ("1d", "hsdp", "tp")
+
+
+def test_natural_cells_are_added_per_implementation_on_its_meshes_with_readable_ids():
+    """The overflow axis: its first value (injected) is every other cell's and stays out of ids; the natural cells
+    run where axes.NATURAL says an overflow can be born where the kind needs it (see its comment)."""
+    natural = axes.natural_cells()
+    assert {c.overflow for c in axes.cells()} == {"injected"}
+    assert {c.overflow for c in natural} == {"climb", "reduction"}
+    assert {(c.impl, c.mesh) for c in natural} == {("fairscale", "1d"), ("fsdp1", "1d"), ("fsdp1", "hsdp"),
+                                                   ("fsdp2", "1d"), ("fsdp2", "hsdp"), ("fsdp2", "tp")}
+    assert all(c.world_size == 4 for c in natural if c.overflow == "reduction")
+    assert all(c.world_size <= 2 or c.mesh == "tp" for c in natural if c.overflow == "climb")
+    assert all(c.precision == "fp16" and c.optimizer == "sgd" and axes.valid(vars(c)) for c in natural)
+    ids = [c.id for c in axes.cells() + natural]
+    assert len(set(ids)) == len(ids)
+    assert next(c for c in natural if c.impl == "fsdp2" and c.mesh == "hsdp").id == \
+        "fsdp2-nooffload-fp16-nested-ws4-orig-reshard-sgd-upcast-noclip-hsdp-reduction"
