@@ -1,6 +1,6 @@
 """Where the GPU gate's time goes, and its throughput: checks run per minute of wall time.
 
-    python benchmarks/gpu.py OUT_DIR [extra ci/gpu.sh / pytest args ...]
+    python -m benchmarks.gpu OUT_DIR [extra ci/gpu.sh / pytest args ...]
 
 Runs `bash ci/gpu.sh OUT_DIR` with FSDP_AMP_PROFILE_DIR set (the rank harness then logs every pool
 start-up, lock wait and exclusive hold), reads each test's time from the JUnit XML, and prints: the

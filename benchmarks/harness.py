@@ -1,21 +1,18 @@
 """Cost of one 2-rank case through the persistent rank pool vs. spawn-per-case (isolation mode).
 
-    python benchmarks/harness.py [--n 10]
+    python -m benchmarks.harness [--n 10]
 
 The case: a tiny MLP under torch FSDP on CPU (gloo, 2 ranks), 3 SGD steps with a scaler. Both
 engines run it N times in this one process; the first pooled run (which spawns the pool) is
 reported apart. Last line: pool_speedup=<spawn seconds per case / pool seconds per case>.
 """
 import argparse
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.cases import fsdp_mlp_three_steps  # noqa: E402
-from tests.harness import Harness  # noqa: E402
+from benchmarks.cases import fsdp_mlp_three_steps
+from tests.harness import Harness
 
 
 def timed(harness, n):

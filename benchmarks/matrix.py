@@ -1,6 +1,6 @@
 """Throughput of the FSDP-vs-DDP matrix on this machine: cells run per minute of wall time.
 
-    python benchmarks/matrix.py [-n auto] [-k EXPR] [extra pytest args ...]
+    python -m benchmarks.matrix [-n auto] [-k EXPR] [extra pytest args ...]
 
 Runs `pytest -m matrix tests/matrix/test_matrix.py` in a child process (2 cores: `-n auto`) and counts,
 from its report records (--report-json), the cells that ran (passed, failed or xfailed; skips cost
@@ -20,9 +20,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from tests.child_run import clean_env  # noqa: E402
+from tests.child_run import clean_env
 
 
 def run(n: str, k: str | None, extra: list) -> tuple[collections.Counter, float]:

@@ -1,6 +1,6 @@
 """Unscale + inf check throughput of the scalers, against the machine's in-place ceiling.
 
-    python benchmarks/scaler.py [--numel 50000000] [--tensors 200] [--repeats 5]
+    python -m benchmarks.scaler [--numel 50000000] [--tensors 200] [--repeats 5]
 
 CPU: ~50M fp32 grads in ~200 tensors, unscaled by `ours`, torch's ShardedGradScaler(device="cpu")
 and fairscale's per-tensor CPU loop (its real method), against `torch._foreach_mul_(grads, 1.0)` on
@@ -9,18 +9,15 @@ in-place ceiling, plus host syncs (torch.cuda sync debug mode) and collectives p
 Last line: cpu_unscale_vs_inplace=<ours GB/s / in-place GB/s>. Targets: >= 0.8, and >= 5x the loop.
 """
 import argparse
-import os
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.cases import count_syncs_and_collectives  # noqa: E402
-from scaler_impl import DeviceSplitGradScaler  # noqa: E402
-from tests.harness import run_on_ranks, shutdown_pools  # noqa: E402
+from benchmarks.cases import count_syncs_and_collectives
+from scaler_impl import DeviceSplitGradScaler
+from tests.harness import run_on_ranks, shutdown_pools
 
 
 def make_grads(numel, tensors, device):

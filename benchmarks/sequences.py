@@ -1,25 +1,21 @@
 """Speed of the stateful contract test (tests/conformance/test_sequences.py): examples per second.
 
-    python benchmarks/sequences.py [--scaler ours] [--placement cpu] [--examples 40] [--steps 30]
+    python -m benchmarks.sequences [--scaler ours] [--placement cpu] [--examples 40] [--steps 30]
 
 Runs the state machine directly, with the ci profile's settings at the given budget (derandomized), on
 2 ranks of the pool (started before the clock), and counts the sequences that ran on the ranks and their
 calls. Last line: sequence_examples_per_second=<sequences run / wall seconds>.
 """
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
 
-from hypothesis import HealthCheck, settings  # noqa: E402
-from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
-
-import conftest  # noqa: E402,F401  (registers the Hypothesis profiles)
-from tests.conformance import test_sequences  # noqa: E402
-from tests.conformance.calls import GROUPS, Backward  # noqa: E402
-from tests.harness import shutdown_pools  # noqa: E402
+import conftest  # noqa: F401  (registers the Hypothesis profiles)
+from tests.conformance import test_sequences
+from tests.conformance.calls import GROUPS, Backward
+from tests.harness import shutdown_pools
 
 
 def main():

@@ -12,6 +12,17 @@ mkdir -p "$OUT"
 # the GPU count, and the CUDA contexts the rank pools may keep on one GPU across workers
 # (tests/harness/budget.py: GPU memory over CONTEXT_GIB, or FSDP_AMP_GPU_CONTEXTS; a worker's pools hold up to
 # 1 + 2 + 4 of them at once), from one Python start-up (importing torch there takes seconds)
+# The runner brings torch (the one to judge, CUDA build); the rest is requirements-suite.txt. Say what is missing.
+MISSING=$(python3 -c "
+import importlib.util
+need = {'torch': 'the torch to judge', 'pytest': 'pytest', 'xdist': 'pytest-xdist', 'hypothesis': 'hypothesis',
+        'packaging': 'packaging', 'fairscale': 'fairscale'}
+print(' '.join(pip for mod, pip in need.items() if importlib.util.find_spec(mod) is None))") \
+  || { echo "ci/gpu.sh: python3 does not run" >&2; exit 2; }
+if [ -n "$MISSING" ]; then
+  echo "ci/gpu.sh: python3 lacks: $MISSING. Install torch (a CUDA build), then: python3 -m pip install -r requirements-suite.txt" >&2
+  exit 2
+fi
 read -r GPUS CONTEXTS TORCH < <(python3 -c "
 import torch
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
