@@ -113,6 +113,9 @@ NOT_SHARD_AWARE = {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", 
 UNSCALE_TESTS = {"test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_skips_step_and_backs_off",
                  "test_an_overflow_past_2_31_elements_is_seen"}
 BUSY = "test_busy_gpu_cpu_grads_are_unscaled_and_checked"
+CHECKPOINT_TESTS = {"test_state_dict_round_trip_resumes_identically",  # test_scale_rules.py: a checkpoint resumes,
+                    "test_a_checkpoint_crosses_between_scalers_and_resumes_identically",  # from or into another
+                    "test_a_checkpoint_saved_by_another_torch_loads_and_resumes"}  # scaler, or another torch
 FUSED = "test_an_overflow_skips_a_fused_optimizer_exactly"  # param `fused`: the optimizer class (test_fused_optimizers.py)
 STEP_COUNTER_FUSED = ("Adam", "AdamW", "Adagrad")  # fused optimizers whose state has a shape-[] step counter
 # fused optimizers by the torch versions on which torch's scalers hand them found_inf (GradScaler's fused path):
@@ -263,7 +266,7 @@ KNOWN_BUGS = [
          reach=Reach(EVERY_RUN, "no overflow: every step on which a rank's optimizer holds no grad (frozen params sharded so that"
                      " one rank holds only frozen ones, as in pytorch#99174; an unused branch)"),
          needs="cuda"),
-    _bug("fairscale-state-dict-after-backoff", {"fairscale_sharded"}, {"test_state_dict_round_trip_resumes_identically"},
+    _bug("fairscale-state-dict-after-backoff", {"fairscale_sharded"}, CHECKPOINT_TESTS,
          "fairscale sets _growth_tracker to a Python int on backoff when the scale is on CPU; "
          "state_dict() then raises AttributeError: 'int' object has no attribute 'item'",
          when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,

@@ -9,7 +9,9 @@ observed with the reference model (problem.reference_scales).
 import pytest
 import torch
 
-from tests.conformance.problem import (Problem, build_scaler, equal_lists, placement_params, reference_scales, run_at,
+from tests.conformance import checkpoints
+from tests.conformance.checkpoints import PATTERN, SETTINGS, SPLIT
+from tests.conformance.problem import (Problem, ScalerModel, build_scaler, equal_lists, placement_params, reference_scales, run_at,
                                        run_steps, sgd)
 
 pytestmark = pytest.mark.conformance
@@ -112,3 +114,77 @@ def test_state_dict_round_trip_resumes_identically(scaler, placement):
     assert (float(saved["growth_factor"]), float(saved["backoff_factor"]), int(saved["growth_interval"])) == (2.0, 0.5, 3)
     assert out["resumed"] == out["uninterrupted"] == reference_scales(64.0, 2.0, 0.5, 3, pattern)
     assert equal_lists(out["resumed_params"], out["whole_params"])
+
+
+# ------------------------------------------------------------------ checkpoints across scalers and torch versions
+
+PEERS = ("torch_amp", "torch_sharded", "ours")  # the scalers whose checkpoints a user brings, or loads ours into
+PEER_PLACEMENTS = [p for p in ALL_PLACEMENTS if p.values[0] in ("cpu", "cuda")]  # no race for a built-in peer
+
+
+def _cross(spec, peer, placement, pattern, split, direction):
+    """Train the first `split` steps with one scaler, checkpoint it through torch.save, resume the rest with
+    the other (direction "loads": the peer saves, the scaler under test loads; "saves": the other way round).
+    The resumed scaler's own state_dict() at the end is part of what it must get right."""
+    import io
+
+    pb = Problem(placement)
+    first_spec, second_spec = (peer, spec) if direction == "loads" else (spec, peer)
+    first = build_scaler(first_spec, pb, **SETTINGS)
+    opt = sgd(pb.params)
+    before = run_steps(first, pb, opt, pattern[:split])
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    second = build_scaler(second_spec, pb)  # the defaults: every setting must come from the checkpoint
+    second.load_state_dict(torch.load(buf, weights_only=True))
+    after = run_steps(second, pb, opt, pattern[split:])
+    end = second.state_dict()
+    return dict(scales=before + after, params=pb.snapshot(), end={k: float(v) for k, v in end.items()})
+
+
+def _end_state() -> dict:
+    """The state_dict the contract model ends PATTERN with, every value a float."""
+    model = ScalerModel(*SETTINGS.values())
+    for bad in PATTERN:
+        model.update(bad)
+    return {"scale": model.scale, "growth_factor": model.growth_factor, "backoff_factor": model.backoff_factor,
+            "growth_interval": float(model.growth_interval), "_growth_tracker": float(model.tracker)}
+
+
+def _uninterrupted(placement, pattern):
+    pb = Problem(placement)
+    whole = build_scaler("torch_amp", pb, **SETTINGS)
+    opt = sgd(pb.params)
+    run_steps(whole, pb, opt, pattern)
+    return pb.snapshot()
+
+
+@pytest.mark.parametrize("direction", ["loads", "saves"])
+@pytest.mark.parametrize("peer", PEERS)
+@pytest.mark.parametrize("placement", PEER_PLACEMENTS)
+def test_a_checkpoint_crosses_between_scalers_and_resumes_identically(scaler, placement, peer, direction):
+    """torch.amp.GradScaler's, torch's ShardedGradScaler's and ours' state_dict load into the scaler under test,
+    and its state_dict into theirs: the run resumes as if never interrupted."""
+    out = run_at(placement, _cross, scaler, peer, placement, PATTERN, SPLIT, direction)[0]
+    assert out["scales"] == reference_scales(*SETTINGS.values(), PATTERN)
+    assert out["end"] == _end_state()
+    assert equal_lists(out["params"], run_at(placement, _uninterrupted, placement, PATTERN)[0])
+
+
+def _from_file(spec, placement, path, pattern, split):
+    pb = Problem(placement)
+    s = build_scaler(spec, pb)
+    s.load_state_dict(torch.load(path, weights_only=True))
+    scales = run_steps(s, pb, sgd(pb.params), pattern[split:])
+    return dict(scales=scales, end={k: float(v) for k, v in s.state_dict().items()})
+
+
+@pytest.mark.parametrize("path", checkpoints.files(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("placement", ["cpu"])
+def test_a_checkpoint_saved_by_another_torch_loads_and_resumes(scaler, placement, path):
+    """Checkpoints of each scaler saved by torch 2.13.0 and 2.15.0 (tests/conformance/checkpoints) load into the
+    scaler under test on this torch and resume the schedule where it stopped."""
+    out = run_at(placement, _from_file, scaler, placement, str(path), PATTERN, SPLIT)[0]
+    assert out["scales"] == reference_scales(*SETTINGS.values(), PATTERN)[SPLIT:]
+    assert out["end"] == _end_state()
