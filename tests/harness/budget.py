@@ -65,6 +65,19 @@ def context_budget(gpu: int) -> int:
         return 16
 
 
+POOL_CONTEXTS = 1 + 2 + 4  # the contexts one xdist worker's pools hold at once (world sizes 1, 2, 4 on one GPU)
+CORES_PER_WORKER = 2  # a worker's ranks and its pytest process; more workers per core were slower on the gate
+MAX_WORKERS = 8  # 14 workers on 16 cores ran the gate slower than 8
+
+
+def gate_workers(cores: int, contexts: int) -> int:
+    """The GPU gate's xdist workers (ci/gpu.sh): one per CORES_PER_WORKER cores, at most MAX_WORKERS, and no more
+    than the GPU's context budget keeps alive without pools taking turns (contexts // POOL_CONTEXTS); at least 1."""
+    if cores < 1 or contexts < 1:
+        raise ValueError(f"gate_workers(cores={cores}, contexts={contexts}): both must be at least 1")
+    return max(1, min(cores // CORES_PER_WORKER, MAX_WORKERS, contexts // POOL_CONTEXTS))
+
+
 class GpuBudget:
     """One harness's side of the sharing: its lock files, its context budget, its wait for slots.
 

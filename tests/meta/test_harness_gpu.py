@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.child_run import ROOT
-from tests.harness import Harness, RankFailure, rank_device
+from tests.harness import Harness, RankFailure, budget, rank_device
 from tests.meta.sessions.children import SESSIONS, child_env
 
 pytestmark = pytest.mark.harness
@@ -184,3 +184,20 @@ def test_a_result_record_comes_back_on_the_host(harness):
     out = harness.run(_record_on_the_gpu, world_size=1, device="cuda")
     assert isinstance(out[0], _Record) and out[0].where.startswith("cuda")
     assert out[0].tensors["t"].device.type == "cpu", "a CUDA tensor inside a result record was not moved to the host"
+
+
+@pytest.mark.parametrize("cores, contexts, workers", [
+    (16, 42, 6),   # an H100 80 GB: the context budget binds (42 // 7)
+    (16, 73, 8),   # an H200 141 GB on 16 cores: the core bound (16 // 2), at most 8
+    (128, 500, 8),  # never more than 8
+    (2, 42, 1),    # a 2-core runner: one worker
+    (16, 5, 1),    # a budget smaller than one worker's pools: still one (its pools take turns)
+    (1, 1, 1),
+])
+def test_the_gate_sizes_its_workers_by_cores_and_context_budget(cores, contexts, workers):
+    assert budget.gate_workers(cores, contexts) == workers
+
+
+def test_gate_workers_refuses_a_machine_with_nothing():
+    with pytest.raises(ValueError, match="gate_workers\\(cores=0, contexts=42\\): both must be at least 1"):
+        budget.gate_workers(0, 42)
