@@ -184,10 +184,15 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
                       "", "```", f"$ python {stem}.py{flag}", r["output"], "$ echo $?", str(r["status"]), "```", ""]
     lines += ["## Can real training hit it?", "", f"**{bug.reach.kind}**: {bug.reach.how}."
               + (f" Shown by `python {stem}.py {bug.reach.run}`." if bug.reach.run else ""), "",
-              "## Root cause", "", d.sections["Root cause"], "",
-              "## Proposed fix", "", d.sections["Fix"] + f" `python {stem}.py --with-fix` applies it by monkeypatching.",
+              "## Root cause", "", _sentence(d.sections["Root cause"]), "",
+              "## Proposed fix", "", _sentence(d.sections["Fix"]) + ("" if "--with-fix" in d.sections["Fix"] else
+                                                         f" `python {stem}.py --with-fix` applies it by monkeypatching."),
               "", "## Related", "", d.sections["Related"], ""]
     return "\n".join(lines)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def check(directory: Path, runs: list[dict]) -> list[str]:
