@@ -33,6 +33,7 @@ class Every:
 ENABLED_FREE_TESTS = {"test_disabled_scaler_is_a_pass_through"}
 EVERY_SCALER = Every("every scaler, plugged ones included (a bug of the FSDP implementation)")
 EVERY_ENABLED_TEST = Every("every test that builds an enabled scaler", but=ENABLED_FREE_TESTS)
+EVERY_OTHER_BUG = Every("every other entry")
 
 
 REACHABLE = "reachable"  # an overflow that forward/backward make, through the real reductions, hits it
@@ -65,6 +66,11 @@ class KnownBug:
     standalone: str = ""  # the standalone repro showing it, tests/repro/standalone/<standalone>.py ("": its id's)
     needs: str = ""  # what that file needs to run (a tests/expectations.py NEEDS key), on the file's own entry
     by_design: bool = False  # torch's behaviour by design: no fix to propose, no upstream report
+    precedes: frozenset | Every = frozenset()  # ids of the entries it wins over where both claim a check: the
+                                               # one a check shows first (test_tables.py: every overlap declared)
+
+    def wins_over(self, other: "KnownBug") -> bool:
+        return other.id != self.id and other.id in self.precedes
 
     @property
     def standalone_file(self) -> str:
@@ -97,11 +103,12 @@ FAIRSCALE_0_4_13 = "==0.4.13"
 
 
 def _bug(bug_id, scalers, tests, reason, when=None, beats_race=False, torch=ANY_TORCH, fairscale="", *, title,
-         reach, standalone="", needs="", by_design=False):
+         reach, standalone="", needs="", by_design=False, precedes=()):
     return KnownBug(bug_id, scalers if isinstance(scalers, Every) else frozenset(scalers),
                     tests if isinstance(tests, Every) else frozenset(tests), reason, title,
                     when or (lambda params, cuda: True), beats_race, str(SpecifierSet(torch)),
-                    str(SpecifierSet(fairscale)), reach, standalone, needs, by_design)
+                    str(SpecifierSet(fairscale)), reach, standalone, needs, by_design,
+                    precedes if isinstance(precedes, Every) else frozenset(precedes))
 
 
 SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"  # the stateful test (test_sequences.py)
@@ -172,7 +179,8 @@ KNOWN_BUGS = [
          title="silently disabled without CUDA, then steps on inf grads",
          reach=Reach(EVERY_RUN, "every job on a machine without CUDA: the scaler never scales, and an inf or NaN that the fp16 "
                      "forward makes is applied"),
-         needs="no-cuda"),
+         needs="no-cuda",
+         precedes=EVERY_OTHER_BUG),  # a disabled scaler shows nothing else
     _bug("torch-amp-refuses-fp16-grads", {"torch_amp"}, UNSCALE_TESTS | {MATRIX},
          "torch.amp.GradScaler refuses fp16 grads by design (ValueError: Attempting to unscale FP16 gradients.), "
          "which FSDP mixed precision without offload produces (fairscale; FSDP1 keep_low_precision_grads)",
@@ -180,7 +188,8 @@ KNOWN_BUGS = [
          title='fp16 grads refused by design ("Attempting to unscale FP16 gradients")',
          reach=Reach(EVERY_RUN, "every step whose grads are fp16 (FSDP1 keep_low_precision_grads, the file's run; fairscale mixed"
                      " precision without offload at world size 1)"),
-         by_design=True),
+         by_design=True,
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fsdp1-keeplow-offload-grad-dtype", "torch-amp-not-shard-aware-fsdp"}),  # the first unscale raises
     _bug("bf16-cuda-unscale-kernel", {"torch_amp", "torch_sharded", "fairscale_sharded"}, UNSCALE_TESTS | {MATRIX},
          "torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16 "
          "(NotImplementedError ... not implemented for 'BFloat16'), so bf16 grads on CUDA crash the scaler "
@@ -189,7 +198,8 @@ KNOWN_BUGS = [
          title="bf16 grads on CUDA crash the unscale kernel",
          reach=Reach(EVERY_RUN, "every step whose grads are bf16 on CUDA (FSDP1 keep_low_precision_grads in bf16; fairscale "
                      "compute_dtype bf16 without offload)"),
-         needs="cuda"),
+         needs="cuda",
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-fused-optimizer-kwarg", "torch-amp-not-shard-aware-fsdp", "torch-sharded-fused-adamw-after-unscale"}),  # the unscale raises before anything else can show
     _bug("torch-amp-not-shard-aware", {"torch_amp"}, NOT_SHARD_AWARE,
          "torch.amp.GradScaler does not agree on found_inf across ranks (it relies on DDP's all-reduced grads): "
          "with sharded grads an inf on one rank makes only that rank skip and back off",
@@ -203,7 +213,6 @@ KNOWN_BUGS = [
          title="no agreement on found_inf across ranks, in the busy-GPU check",
          reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
          standalone="torch-amp-not-shard-aware", by_design=True),
-    # before the torch one: fairscale with its scale on CPU has more than that bug for a sequence to reach
     _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"}, {SEQUENCES, MESH_SEQUENCES},
          "fairscale ShardedGradScaler with its scale on CPU breaks the contract in several ways that a sequence "
          "reaches, whichever comes first: a CPU found_inf never agreed across ranks "
@@ -213,7 +222,8 @@ KNOWN_BUGS = [
          when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
          title="scale on CPU: call sequences reach several of its bugs, whichever comes first",
          reach=Reach(REACHABLE, "as its parts; fairscale-cpu-found-inf-not-agreed shows a real overflow", run="--real-overflow"),
-         standalone="fairscale-cpu-found-inf-not-agreed"),
+         standalone="fairscale-cpu-found-inf-not-agreed",
+         precedes={"sharded-cpu-scale-grows-to-inf"}),  # fairscale with its scale on CPU has more than that bug for a sequence to reach
     _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"},
          {"test_growth_never_overflows_to_inf", SEQUENCES, MESH_SEQUENCES},
          "ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the isfinite check "
@@ -305,8 +315,7 @@ KNOWN_BUGS = [
                      " fp16 loop with one queued matmul lost 3 to 7 of 20 clean steps); timing-dependent, so the suite"
                      " keeps the GPU busy to show it"),
          needs="cuda"),
-    # ---- meshes (test_meshes.py, and the sequences on a mesh); the mixed-grads crash first: it raises before any
-    # agreement
+    # ---- meshes (test_meshes.py, and the sequences on a mesh)
     _bug("torch-amp-mesh-sequences", {"torch_amp"}, {MESH_SEQUENCES},
          "torch.amp.GradScaler with DTensor grads on a mesh breaks the contract in two ways that a sequence reaches, "
          "whichever comes first: fp16 grads refused by design (torch-amp-refuses-fp16-grads), found_inf reduced "
@@ -386,7 +395,8 @@ KNOWN_BUGS = [
          when=where(world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale")),
          title="no agreement on found_inf across ranks under FSDP1 and fairscale FSDP",
          reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
-         standalone="torch-amp-not-shard-aware", by_design=True),
+         standalone="torch-amp-not-shard-aware", by_design=True,
+         precedes={"fsdp1-keeplow-offload-grad-dtype"}),
     _bug("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"}, {MATRIX, FUSED},
          "torch ShardedGradScaler + a fused optimizer with a step counter (Adam, AdamW, Adagrad fused=True) after "
          "an explicit unscale_ (the clipping path): its found_inf has shape [1] and the fused kernel's "
@@ -397,8 +407,8 @@ KNOWN_BUGS = [
                                     if "fused" in params else where(optimizer="adamw", clip="clip")(params, cuda)),
          title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step",
          reach=Reach(EVERY_RUN, "no overflow: every step of fused Adam, AdamW or Adagrad after an explicit unscale_ (clipping), "
-                     "from the first, clean one (FSDP1 fp16 on 2 ranks raises at step 1 too)")),
-    # before fused-sgd-skipped-first-step: the check sees the sum first
+                     "from the first, clean one (FSDP1 fp16 on 2 ranks raises at step 1 too)"),
+         precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-cpu-unscale-found-inf-shape"}),  # the first step raises
     _bug("torch-sharded-hands-fused-a-sum", {"torch_sharded"}, {FUSED},
          "torch ShardedGradScaler.unscale_ all-reduces found_inf with SUM over the ranks and step() hands that "
          "sum to a fused optimizer; the fused kernels skip only on found_inf == 1.0, so when two ranks overflow "
@@ -407,7 +417,8 @@ KNOWN_BUGS = [
          when=where(fused="SGD", explicit_unscale=True),
          title="explicit unscale_: found_inf summed over ranks (2.0) makes a fused optimizer step on NaN",
          reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks at the default scale: the scaled backward overflows in both ranks' "
-                     "shards, unscale_ sums found_inf to 2.0, fused SGD applies the update", run="--real-overflow")),
+                     "shards, unscale_ sums found_inf to 2.0, fused SGD applies the update", run="--real-overflow"),
+         precedes={"fused-sgd-skipped-first-step"}),  # the check sees the sum first
     _bug("fused-sgd-skipped-first-step", {"torch_amp", "torch_sharded"}, {FUSED},
          "fused SGD with momentum allocates its momentum buffers with torch.empty_like on its first step and fills "
          "them inside the kernel; when GradScaler hands it found_inf = 1.0 (the first step overflowed, as fp16 "
@@ -418,7 +429,6 @@ KNOWN_BUGS = [
          title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it",
          reach=Reach(REACHABLE, "fp16 autocast at the default init_scale 65536: the first scaled backward overflows by itself, "
                      "the next are clean, and fused SGD ends all NaN", run="--real-overflow")),
-    # before the no-agreement entry: on torch < 2.6 this one is what the cell hits first (it raises)
     _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX, FUSED},
          "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
          "which on an inf replaces found_inf with torch.tensor([1.0]), shape [1]; a fused optimizer (AdamW "
@@ -430,7 +440,8 @@ KNOWN_BUGS = [
          torch="<2.6",
          title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow",
          reach=Reach(REACHABLE, "torch < 2.6: FSDP1 fp16 on CPU at the default scale, whose first scaled backward overflows by "
-                     "itself, with fused AdamW", run="--real-overflow")),
+                     "itself, with fused AdamW", run="--real-overflow"),
+         precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-fused-adamw-no-agreement"}),  # on torch < 2.6 the first overflow raises
     _bug("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}, {MATRIX},
          "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "
          "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
@@ -452,7 +463,8 @@ KNOWN_BUGS = [
          fairscale=FAIRSCALE_0_4_13,
          title="fused AdamW: TypeError on the grad_scaler keyword",
          reach=Reach(EVERY_RUN, "no overflow: every step of a fused optimizer"),
-         needs="cuda"),
+         needs="cuda",
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-state-dict-after-backoff-fsdp"}),  # the first step raises
     _bug("fairscale-state-dict-after-backoff-fsdp", {"fairscale_sharded"}, {MATRIX},
          "fairscale's state_dict() after a backoff (fairscale-state-dict-after-backoff) inside FSDP training: "
          "fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale issue #421) keeps "
@@ -461,7 +473,8 @@ KNOWN_BUGS = [
          when=where(impl="fairscale", placement=CPU_SCALE, world_size=1), fairscale=FAIRSCALE_0_4_13,
          title="state_dict() raises after a backoff, in fairscale FSDP CPU-offload training",
          reach=Reach(REACHABLE, "as fairscale-state-dict-after-backoff", run="--real-overflow"),
-         standalone="fairscale-state-dict-after-backoff"),
+         standalone="fairscale-state-dict-after-backoff",
+         precedes={"fairscale-fsdp-mixed-precision-grads"}),
     _bug("fairscale-fsdp-mixed-precision-grads", EVERY_SCALER, {MATRIX},
          "fairscale FSDP bug: with mixed_precision and no offload at world size 1 the fp32 params get fp16/bf16 grads; "
          "foreach SGD (flatten_parameters=False) and fused AdamW reject them: 'Tensors of the same index must be on "
@@ -559,8 +572,14 @@ def known_bug(spec: str, test_name: str, params: dict, cuda: bool, any_version: 
               bugs=None, on=None) -> KnownBug | None:
     """The known bug this test id hits: a built-in scaler's, or (any scaler) a built-in FSDP's.
     Only a bug in force on the installed versions (or on `on`, versions.here()'s form), unless any_version (the report's "fixed"
-    column)."""
-    for bug in KNOWN_BUGS if bugs is None else bugs:
-        if bug.hits(spec) and bug.matches(test_name, params, cuda) and (any_version or bug.holds_on(on)):
-            return bug
-    return None
+    column). Where several claim the check, the one no other `precedes` (first_by_precedence)."""
+    return first_by_precedence([bug for bug in (KNOWN_BUGS if bugs is None else bugs)
+                                if bug.hits(spec) and bug.matches(test_name, params, cuda)
+                                and (any_version or bug.holds_on(on))])
+
+
+def first_by_precedence(claiming: list) -> KnownBug | None:
+    """Of the entries claiming one check, the one that no other wins over. test_tables.py checks that every pair
+    that can claim a check together declares which wins; were one missing, the first in table order is taken."""
+    winners = [bug for bug in claiming if not any(other.wins_over(bug) for other in claiming)]
+    return (winners or claiming or [None])[0]

@@ -6,14 +6,16 @@ implementations, before -m/-k deselect anything), collected by pytest itself in 
 param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
 EXPECTED tests (tests/planted) and the report's COLUMNS (tests/report.py; each the REPORT_COLUMN of a module).
 """
+import itertools
 import os
 
 import pytest
 
 from tests import report
 from tests.child_run import ROOT
+from tests.known_bugs import KNOWN_BUGS, KnownBug
 from tests.planted import EXPECTED
-from tests.known_bugs import KNOWN_BUGS
+from tests.scalers import BUILTINS
 
 
 def unmatched(collected) -> list[str]:
@@ -31,17 +33,59 @@ def unmatched(collected) -> list[str]:
     return out
 
 
-def test_every_table_entry_names_a_collected_test(request, pytester, monkeypatch):
-    for key in [k for k in os.environ if k.startswith("PYTEST_XDIST") or k == "PYTEST_ADDOPTS"]:
-        monkeypatch.delenv(key)  # a session of its own, not a worker's
-    testpaths = [os.path.join(ROOT, p) for p in request.config.getini("testpaths")]
-    items, _ = pytester.inline_genitems("-p", "no:cacheprovider", "-p", "no:xdist", "-c", os.path.join(ROOT, "pytest.ini"),
-                                        "--rootdir", ROOT, *testpaths)
-    collected = [(item.originalname, getattr(getattr(item, "callspec", None), "params", {}), report.column(item))
-                 for item in items]
-    assert len(collected) > 1000, f"collected only {len(collected)} checks from {testpaths}"
+def undeclared_overlaps(collected, bugs=KNOWN_BUGS) -> list[str]:
+    """Pairs of entries that claim one collected check (for some built-in scaler, on a CPU or a CUDA machine,
+    whatever the versions) without exactly one of them declaring that it wins (KnownBug.precedes)."""
+    pairs = {}
+    for name, params, _ in collected:
+        if "scaler" not in params:
+            continue
+        for spec, cuda in itertools.product(BUILTINS, (False, True)):
+            claiming = [b for b in bugs if b.hits(spec) and b.matches(name, params, cuda)]
+            for a, b in itertools.combinations(claiming, 2):
+                pairs.setdefault((a.id, b.id), (a, b, name))
+    return [f"{a.id!r} and {b.id!r} both claim {name} ({'both' if a.wins_over(b) else 'neither'} declare to win)"
+            for a, b, name in pairs.values() if a.wins_over(b) == b.wins_over(a)]
+
+
+_COLLECTED = []  # this module's one collection, shared by its tests (a few seconds each time)
+
+
+@pytest.fixture
+def collected(request, pytester, monkeypatch):
+    """(test function, params, report column) of every check the main job collects."""
+    if not _COLLECTED:
+        for key in [k for k in os.environ if k.startswith("PYTEST_XDIST") or k == "PYTEST_ADDOPTS"]:
+            monkeypatch.delenv(key)  # a session of its own, not a worker's
+        testpaths = [os.path.join(ROOT, p) for p in request.config.getini("testpaths")]
+        items, _ = pytester.inline_genitems("-p", "no:cacheprovider", "-p", "no:xdist", "-c",
+                                            os.path.join(ROOT, "pytest.ini"), "--rootdir", ROOT, *testpaths)
+        _COLLECTED.extend((item.originalname, getattr(getattr(item, "callspec", None), "params", {}),
+                           report.column(item)) for item in items)
+    assert len(_COLLECTED) > 1000, f"collected only {len(_COLLECTED)} checks"
+    return list(_COLLECTED)
+
+
+def test_every_table_entry_names_a_collected_test(collected):
     stale = unmatched(collected)
     assert not stale, "table entries that match no collected test:\n" + "\n".join(stale)
+
+
+def test_entries_claiming_one_check_declare_which_wins(collected):
+    missing = undeclared_overlaps(collected)
+    assert not missing, "KNOWN_BUGS entries that claim one check without a declared precedence:\n" + "\n".join(missing)
+
+
+def test_an_undeclared_overlap_is_named():
+    def entry(bug_id, precedes=()):
+        return KnownBug(bug_id, frozenset({"torch_amp"}), frozenset({"test_x"}), "reason", "title",
+                        precedes=frozenset(precedes))
+    check = [("test_x", {"scaler": "torch_amp"}, "single rank")]
+    assert undeclared_overlaps(check, [entry("a"), entry("b")]) == [
+        "'a' and 'b' both claim test_x (neither declare to win)"]
+    assert undeclared_overlaps(check, [entry("a", {"b"}), entry("b", {"a"})]) == [
+        "'a' and 'b' both claim test_x (both declare to win)"]
+    assert undeclared_overlaps(check, [entry("a"), entry("b", {"a"})]) == []
 
 
 def test_a_stale_entry_is_named():
