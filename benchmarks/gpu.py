@@ -15,7 +15,8 @@ import re
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
+
+from benchmarks import junit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,13 +36,9 @@ def main():
         sys.exit(f"ci/gpu.sh exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     workers = int(re.search(r"pytest -n (\d+)", proc.stdout + proc.stderr).group(1))
 
-    per_file, ran, slow = collections.Counter(), 0, []
-    for case in ET.parse(os.path.join(out, "junit.xml")).iter("testcase"):
-        seconds = float(case.get("time", 0))
-        per_file[case.get("classname", "").split(".")[-1] or "?"] += seconds
-        skipped = case.find("skipped")
-        ran += skipped is None or skipped.get("type") == "pytest.xfail"
-        slow.append((seconds, f"{case.get('classname')}::{case.get('name')}"))
+    rows = junit.cases(os.path.join(out, "junit.xml"))
+    per_file, ran = junit.per_file(rows), sum(r[3] for r in rows)
+    slow = [(seconds, name) for _, name, seconds, _ in rows]
     events = collections.defaultdict(list)
     for name in os.listdir(profile):
         with open(os.path.join(profile, name)) as f:
