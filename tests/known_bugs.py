@@ -12,6 +12,8 @@ from typing import Callable
 from packaging.specifiers import SpecifierSet
 
 from tests import versions
+from tests.conformance.problem import (CPU_GRADS, CPU_GRADS_CUDA_SCALE, GRADS_OFF_SCALE_DEVICE, ONLY_CPU_GRADS,
+                                       SCALE_ON_CPU)
 from tests.matrix import implementations
 from tests.scalers import BUILTINS
 
@@ -137,8 +139,7 @@ def on_scalers_fused_path(params) -> bool:
 MESH = "test_every_rank_of_the_mesh_takes_the_same_decision"  # params: mesh, order, bad (test_meshes.py)
 FSDP2 = "test_fsdp2_dtensor_grads_agree_across_ranks"  # params: bad (test_fsdp2.py)
 MATRIX = "test_fsdp_matches_ddp"
-CPU_SCALE = ("cpu", "cpu_loss", "mixed_cpu_scale")  # placements where the scale tensor lives on CPU
-CPU_GRADS_CUDA_SCALE = ("offload", "mixed")
+CPU_SCALE = SCALE_ON_CPU  # placements (problem.PLACEMENTS) where the scale tensor lives on CPU
 
 
 def check_param(params: dict, name: str, cuda: bool):
@@ -238,7 +239,7 @@ KNOWN_BUGS = [
     _bug("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"}, {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"},
          "fairscale ShardedGradScaler all-reduces a CPU found_inf on a CUDA copy and throws the "
          "result away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip",
-         when=lambda params, cuda: params.get("placement") in ("cpu", "offload", "cpu_loss")
+         when=lambda params, cuda: params.get("placement") in ONLY_CPU_GRADS
          and params.get("bad_ranks") != (0, 1), fairscale=FAIRSCALE_0_4_13,
          title="CPU found_inf all-reduced on a copy that is thrown away",
          reach=Reach(REACHABLE, "torch FSDP1 CPUOffload fp16 on 2 gloo ranks sharing a GPU, the loss moved to the CPU params "
@@ -257,14 +258,14 @@ KNOWN_BUGS = [
     _bug("fairscale-cpu-found-inf-not-agreed-per-optimizer", {"fairscale_sharded"}, {"test_each_optimizer_agrees_across_ranks"},
          "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
          "and throws the result away), so with CPU grads each optimizer skips only on the ranks that saw the inf",
-         when=where(placement=("cpu", "offload", "cpu_loss")), fairscale=FAIRSCALE_0_4_13,
+         when=where(placement=ONLY_CPU_GRADS), fairscale=FAIRSCALE_0_4_13,
          title="CPU found_inf never agreed across ranks, per optimizer",
          reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
          standalone="fairscale-cpu-found-inf-not-agreed"),
     _bug("fairscale-cpu-found-inf-not-agreed-scale-lockstep", {"fairscale_sharded"}, {"test_ranks_keep_scale_in_lockstep"},
          "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
          "and throws the result away), so the ranks' scales diverge",
-         when=where(placement=("cpu", "offload", "cpu_loss", "mixed")), fairscale=FAIRSCALE_0_4_13,
+         when=where(placement=CPU_GRADS), fairscale=FAIRSCALE_0_4_13,
          title="CPU found_inf never agreed across ranks: their scales diverge",
          reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
          standalone="fairscale-cpu-found-inf-not-agreed"),
@@ -530,7 +531,7 @@ def bug_by_id(bug_id: str, bugs=None) -> KnownBug:
 # Their outcome there can be neither passed nor strictly xfailed, so those cells are skipped for
 # them and the race is checked deterministically, with the GPU kept busy, in test_busy_gpu.py.
 RACY_SCALERS = {"torch_amp", "torch_sharded", "fairscale_sharded"}
-RACY_PLACEMENTS = ("offload", "mixed", "mixed_cpu_scale")
+RACY_PLACEMENTS = GRADS_OFF_SCALE_DEVICE
 RACE_FREE_TESTS = {BUSY, "test_scale_multiplies_tensors_and_keeps_structure", "test_disabled_scaler_is_a_pass_through"}
 
 

@@ -28,6 +28,21 @@ PLACEMENTS = {
 }
 CPU_PLACEMENTS = ["cpu"]
 GPU_PLACEMENTS = ["cuda", "offload", "cpu_loss", "mixed"]  # the default set; mixed_cpu_scale is opt-in
+
+
+def placements_where(holds) -> tuple:
+    """The placements whose PLACEMENTS entry satisfies `holds`, in table order: the lists KNOWN_BUGS and the race
+    rules name placements by are derived here, not typed."""
+    return tuple(name for name, where in PLACEMENTS.items() if holds(where))
+
+
+# the scale a lazily placed scaler makes lives with its first scaled loss
+SCALE_ON_CPU = placements_where(lambda w: w["loss"] == "cpu")
+CPU_GRADS = placements_where(lambda w: "cpu" in w["params"])
+ONLY_CPU_GRADS = placements_where(lambda w: w["params"] == ("cpu",))
+CPU_GRADS_CUDA_SCALE = placements_where(lambda w: "cpu" in w["params"] and w["loss"] == "cuda")
+# grads on a device other than the scale's: copies of inv_scale or found_inf cross between CPU and CUDA
+GRADS_OFF_SCALE_DEVICE = placements_where(lambda w: set(w["params"]) != {w["loss"]})
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -16,7 +16,7 @@ from tests.harness import RankHung, run_on_ranks
 pytestmark = pytest.mark.conformance
 REPORT_COLUMN = "across ranks"  # the compatibility report's column for these checks (tests/report.py)
 
-PLACEMENTS = placement_params(["cpu", "cuda", "offload", "cpu_loss", "mixed"])
+RANK_PLACEMENTS = placement_params(["cpu", "cuda", "offload", "cpu_loss", "mixed"])
 
 
 def _one_step(spec, placement, bad_ranks, value, explicit_unscale=False):
@@ -37,7 +37,7 @@ def _one_step(spec, placement, bad_ranks, value, explicit_unscale=False):
 @pytest.mark.parametrize("explicit_unscale", [False, True], ids=["step", "unscale_clip_step"])
 @pytest.mark.parametrize("value", ["inf", "nan"])
 @pytest.mark.parametrize("bad_ranks", [(0,), (1,), (0, 1)], ids=["rank0", "rank1", "both"])
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", RANK_PLACEMENTS)
 def test_inf_on_some_ranks_makes_every_rank_skip_and_back_off(scaler, placement, bad_ranks, value,
                                                               explicit_unscale):
     out = run_at(placement, _one_step, scaler, placement, bad_ranks, value, explicit_unscale, world_size=2)
@@ -49,7 +49,7 @@ def _clean_step(spec, placement):
     return _one_step(spec, placement, (), "inf")
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", RANK_PLACEMENTS)
 def test_clean_ranks_all_step_and_keep_their_scale(scaler, placement):
     out = run_at(placement, _clean_step, scaler, placement, world_size=2)
     assert [o["stepped"] for o in out] == [True, True] and [o["scale"] for o in out] == [256.0, 256.0]
@@ -64,7 +64,7 @@ def _lockstep(spec, placement, pattern):
     return run_steps(s, pb, opt, [rank in bad_ranks for bad_ranks in pattern], bad_index=rank % 3)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", RANK_PLACEMENTS)
 def test_ranks_keep_scale_in_lockstep(scaler, placement):
     pattern = [(), (1,), (), (), (0,), (), (0, 1), (), (), (), (1,), (), ()]
     out = run_at(placement, _lockstep, scaler, placement, pattern, world_size=2)
@@ -86,7 +86,7 @@ def _two_optimizers_on_ranks(spec, placement):
     return dict(stepped=[not torch.equal(a, b) for a, b in zip(pb.snapshot(), before)], scale=s.get_scale())
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", RANK_PLACEMENTS)
 def test_each_optimizer_agrees_across_ranks(scaler, placement):
     out = run_at(placement, _two_optimizers_on_ranks, scaler, placement, world_size=2)
     assert [o["stepped"] for o in out] == [[True, False], [True, False]], "b skips on every rank, a steps"
@@ -94,7 +94,7 @@ def test_each_optimizer_agrees_across_ranks(scaler, placement):
 
 
 @pytest.mark.parametrize("bad", [False, True], ids=["clean", "inf_on_rank0"])
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", RANK_PLACEMENTS)
 def test_rank_without_grads_takes_part(scaler, placement, bad):
     out = run_at(placement, step_with_rank1_without_grads, scaler, placement, bad, world_size=2, timeout=20)
     assert out[0]["stepped"] is (not bad) and out[1]["stepped"] is False  # rank 1 has nothing to step

@@ -47,13 +47,13 @@ from tests import versions
 from tests.conformance.calls import (EMPTY_ON_RANK, GROUPS, MESH_KINDS, N_PARAMS, Backward, Keep, Load, Overflow,
                                      ProblemModel, Rank, Resume, Step, Unscale, Update, advance_groups, as_data,
                                      from_data, group_of, groups_of, holds, owner, world_size)
-from tests.conformance.problem import INF_VALUES, PLACEMENTS as DEVICES, placement_params, run_at
+from tests.conformance.problem import INF_VALUES, PLACEMENTS, placement_params, run_at
 
 pytestmark = pytest.mark.conformance
 REPORT_COLUMN = "sequences"  # the compatibility report's column for these checks (tests/report.py)
 
 MAX_WORLD_SIZE = max(sum(map(len, groups)) for groups in GROUPS.values())
-PLACEMENTS = ["cpu", "cuda", "offload", "mixed"]
+SEQUENCE_PLACEMENTS = ["cpu", "cuda", "offload", "mixed"]
 # float32 powers of two: below 1 (backoffs go under it), ordinary, and at the top (a growth would be inf)
 INIT_SCALES = (1.0, 2.0**-3, 2.0**8, 2.0**16, 2.0**126, 2.0**127)
 # factors and new scales that are not powers of two make the scale, hence unscaling, round; the factors have
@@ -154,7 +154,7 @@ class ScalerContract(RuleBasedStateMachine):
                 backoff_factor=st.sampled_from(BACKOFF_FACTORS), growth_interval=st.integers(1, 4),
                 n_optimizers=st.sampled_from((1, 2)), data=st.data())
     def the_problem(self, init_scale, growth_factor, backoff_factor, growth_interval, n_optimizers, data):
-        on_cuda = any(d == "cuda" for d in DEVICES[self.placement]["params"])
+        on_cuda = any(d == "cuda" for d in PLACEMENTS[self.placement]["params"])
         # half the problems all float32: an fp16 grad overflows at every high scale, which would keep most
         # sequences away from the top of the scale's range
         dtypes = data.draw(st.one_of(st.just(["float32"] * N_PARAMS), st.lists(
@@ -258,7 +258,7 @@ def run_machine(machine, request) -> None:
                                                          phases=phases))
 
 
-@pytest.mark.parametrize("placement", placement_params(PLACEMENTS))
+@pytest.mark.parametrize("placement", placement_params(SEQUENCE_PLACEMENTS))
 def test_every_sequence_of_calls_follows_the_contract(scaler, placement, request):
     run_machine(lambda: ScalerContract(scaler, placement), request)
 
@@ -273,7 +273,7 @@ def main(argv=None) -> None:
     """Replay one sequence (the command a failure prints): each call, what the ranks saw, what the model says."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--scaler", required=True, help="a built-in name or package.module:factory")
-    parser.add_argument("--placement", default="cpu", choices=PLACEMENTS)
+    parser.add_argument("--placement", default="cpu", choices=SEQUENCE_PLACEMENTS)
     parser.add_argument("--sequence", required=True, help='JSON: {"config": {...}, "calls": [{"call": ...}, ...]}')
     args = parser.parse_args(argv)
     try:
