@@ -165,10 +165,10 @@ def micro_batch(step: int, rank: int, world_size: int, overflow: str | None):
     return x, y
 
 
-def data_overflow(step: int, dtype, cell=None) -> str | None:
+def data_overflow(step: int, dtype, cell) -> str | None:
     """The overflow rank 0's micro-batch carries at this step (micro_batch's `overflow`), if any: none in a
     natural-overflow cell."""
-    if cell is not None and cell.overflow != "injected":
+    if cell.overflow != "injected":
         return None
     if step == OVERFLOW_STEP and dtype == torch.float16:
         return "fp16"

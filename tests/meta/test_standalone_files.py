@@ -13,7 +13,7 @@ import pytest
 from tests.expectations import NEEDS, BugShown
 from tests.known_bugs import EVERY_RUN, INJECTION_ONLY, KNOWN_BUGS, REACHABLE, STANDALONE_DIR, standalone_files
 from tests.upstream import reports
-from tests.upstream.test_standalone import ROOT, modes, verdict
+from tests.upstream.test_standalone import ROOT, modes, path_of, verdict
 
 pytestmark = pytest.mark.harness
 FILES = standalone_files()
@@ -43,7 +43,7 @@ def test_a_file_imports_only_the_stdlib_torch_and_its_own_upstream(stem):
     allowed = set(sys.stdlib_module_names) | {"torch"}
     if any(bug.fairscale for bug in FILES[stem]) or "fairscale" in stem:
         allowed.add("fairscale")
-    foreign = _imports(ROOT / STANDALONE_DIR / f"{stem}.py") - allowed
+    foreign = _imports(path_of(stem)) - allowed
     assert not foreign, f"{stem}.py imports {sorted(foreign)}: a standalone repro is pasted as it is"
 
 
@@ -51,7 +51,7 @@ def test_a_file_imports_only_the_stdlib_torch_and_its_own_upstream(stem):
 def test_a_file_has_the_reports_sections_and_every_flag_its_modes_run(stem):
     d = reports.doc(stem)
     assert d.title and d.body
-    source = (ROOT / STANDALONE_DIR / f"{stem}.py").read_text(encoding="utf-8")
+    source = path_of(stem).read_text(encoding="utf-8")
     for mode in modes(FILES[stem])[1:]:
         assert f'"--{mode}"' in source, f"{stem}.py has no --{mode} flag, which KNOWN_BUGS runs it with"
 

@@ -17,6 +17,7 @@ or fixed upstream. Its "seen on" versions and outputs come from docs/upstream/ru
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import subprocess
@@ -28,12 +29,10 @@ from pathlib import Path
 from packaging.version import Version
 
 from tests.known_bugs import STANDALONE_DIR, KnownBug, bug_by_id, standalone_files
-from tests.upstream.test_standalone import PLAIN, ROOT, SKIP_STATUS, modes, run_file
+from tests.upstream.test_standalone import PLAIN, ROOT, SKIP_STATUS, modes, path_of, run_file
 
 RUNS = ROOT / "docs" / "upstream" / "runs.json"
 SECTIONS = ("Root cause", "Fix", "Related")
-# what the runs of a file are expected to exit with, by machine: the file skips itself where it cannot run
-STATUS = {0: "0 (no bug)", 1: "1 (the bug)", SKIP_STATUS: f"{SKIP_STATUS} (cannot run here)"}
 
 
 @dataclass(frozen=True)
@@ -43,10 +42,6 @@ class Doc:
     title: str
     body: str
     sections: dict
-
-
-def path_of(stem: str) -> Path:
-    return ROOT / STANDALONE_DIR / f"{stem}.py"
 
 
 def doc(stem: str) -> Doc:
@@ -83,10 +78,16 @@ def run(stem: str, mode: str, python: str = sys.executable) -> dict:
     return as_record(stem, mode, run_file(stem, mode, python), python)
 
 
-def as_record(stem: str, mode: str, proc, python: str = sys.executable) -> dict:
+@functools.lru_cache(maxsize=None)
+def _versions_of(python: str) -> tuple:
+    """(torch, fairscale or "-", device) of an interpreter: one start-up of it per process, not one per record."""
     with tempfile.TemporaryDirectory() as cwd:
-        versions = subprocess.run([python, "-c", _VERSIONS], cwd=cwd, capture_output=True, text=True,
-                                  check=True).stdout.split()
+        return tuple(subprocess.run([python, "-c", _VERSIONS], cwd=cwd, capture_output=True, text=True,
+                                    check=True).stdout.split())
+
+
+def as_record(stem: str, mode: str, proc, python: str = sys.executable) -> dict:
+    versions = _versions_of(python)
     return {"file": stem, "mode": mode, "torch": versions[0], "fairscale": versions[1], "device": versions[2],
             "status": proc.returncode, "output": proc.stdout.strip() or proc.stderr.strip()[-2000:]}
 
@@ -105,16 +106,16 @@ _VERSIONS = ("import importlib.metadata as m, torch\n"
 
 
 def expected_status(stem: str, record: dict) -> int:
-    """What KNOWN_BUGS expects a run of the file to exit with on the record's versions and machine."""
-    from tests.expectations import NEEDS, WITH_FIX, Machine
+    """What KNOWN_BUGS expects a run of the file to exit with on the record's versions and machine: the main job's
+    expectation of that run (tests/expectations.py policy 5) as an exit status."""
+    from tests.expectations import Machine, expectation
 
-    shown = standalone_files()[stem]
     on = {"torch": Version(Version(record["torch"]).base_version),
           "fairscale": None if record["fairscale"] == "-" else Version(record["fairscale"])}
     machine = Machine(cuda=record["device"] != "cpu", n_gpus=int(record["device"] != "cpu"), versions=on)
-    if shown[0].needs and NEEDS[shown[0].needs](machine):
-        return SKIP_STATUS
-    return int(record["mode"] != WITH_FIX and any(b.holds_on(on) for b in shown))
+    expected = expectation(None, "test_standalone_repro_shows_no_bug", {"standalone": stem, "mode": record["mode"]},
+                           machine=machine)
+    return SKIP_STATUS if expected.skip else int(bool(expected.xfail))
 
 
 def load_runs(path: Path = RUNS) -> list[dict]:

@@ -39,10 +39,14 @@ def _params():
             for stem, shown in standalone_files().items() for mode in modes(shown)]
 
 
+def path_of(stem: str) -> Path:
+    return ROOT / STANDALONE_DIR / f"{stem}.py"
+
+
 def run_file(stem: str, mode: str, python: str = sys.executable) -> subprocess.CompletedProcess:
     """`python FILE [--MODE]` from an empty directory, this repository off PYTHONPATH: only what the
     environment installs (torch, fairscale) can be imported from the file, as where a maintainer pastes it."""
-    path = ROOT / STANDALONE_DIR / f"{stem}.py"
+    path = path_of(stem)
     env = dict(os.environ)
     keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
             if p and not (Path(p).resolve() == ROOT or ROOT in Path(p).resolve().parents)]
