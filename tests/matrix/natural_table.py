@@ -1,0 +1,48 @@
+"""Print the step tables of the natural-overflow cells (axes.natural_cells): FSDP beside DDP at every step.
+
+    python -m tests.matrix.natural_table [--impl fsdp1|fsdp2|fairscale ...] [--scaler NAME] [--overflow climb|reduction]
+
+The same cells and the same table a failing matrix test prints, for reading a cycle of overflow, back-off and
+regrowth when nothing failed (docs/suites.md pastes them). Cells this machine cannot run are named and skipped.
+"""
+import argparse
+import sys
+
+import torch
+
+from tests.harness import Harness
+from tests.matrix import axes
+from tests.matrix.cell import train_cell
+from tests.matrix.test_matrix import divergence, natural_overflow_missing, scaler_idle, step_table
+from tests.scalers import BUILTINS
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", action="append", choices=axes.AXES["impl"], help="default: every implementation")
+    parser.add_argument("--scaler", default="ours", choices=sorted(BUILTINS))
+    parser.add_argument("--overflow", action="append", choices=sorted(axes.NATURAL), help="default: both kinds")
+    args = parser.parse_args(argv)
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cells = [c for c in axes.natural_cells(tuple(args.impl or axes.AXES["impl"]))
+             if c.overflow in (args.overflow or axes.NATURAL)]
+    failed = 0
+    with Harness(isolate=True) as harness:
+        for cell in cells:
+            print(f"\n## {cell.id} (scaler {args.scaler}, device {axes.cell_device_mode(cell, n_gpus)}, "
+                  f"torch {torch.__version__})", flush=True)
+            out = harness.run(train_cell, cell, args.scaler, cell.impl, world_size=cell.world_size,
+                              device=axes.cell_device_mode(cell, n_gpus))
+            if out[0].unsupported:
+                print(f"skipped: {out[0].unsupported}")
+                continue
+            print(step_table(out))
+            problem = divergence(cell, out) or scaler_idle(cell, out) or natural_overflow_missing(cell, out)
+            print(f"verdict: {problem or 'FSDP matches DDP; the cycles and the overflow are as the cell requires'}",
+                  flush=True)
+            failed += problem is not None
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
