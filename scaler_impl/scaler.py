@@ -1,7 +1,9 @@
 """DeviceSplitGradScaler: a loss scaler for sharded, CPU-offloaded, mixed-dtype training.
 
-Same API as ``torch.amp.GradScaler``; constructor compatible with torch's ``ShardedGradScaler``
-(``device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, process_group``).
+A ``torch.amp.GradScaler`` (a subclass: ``isinstance`` holds, and code written for torch's scaler
+runs). The constructor's positional order is ``GradScaler``'s, ``(device, init_scale,
+growth_factor, backoff_factor, growth_interval, enabled)``, then ``process_group``. torch's
+``ShardedGradScaler`` puts ``backoff_factor`` before ``growth_factor``: from there, pass keywords.
 
 Design
 ------
@@ -17,7 +19,7 @@ make ``non_blocking`` CPU copies of inv_scale / found_inf and read or write them
 ``torch._amp_foreach_non_finite_check_and_unscale_`` into a found_inf tensor on its own device.
 Where that fused kernel has no implementation (bf16 on CUDA: known bug ``bf16-cuda-unscale-kernel``) the
 group falls back to ``isfinite`` checks followed by ``_foreach_mul_`` (checked before unscaling,
-as the kernel does). Sparse grads are coalesced and their values unscaled; DTensor grads (FSDP2)
+as the kernel does). Sparse fp16 grads are coalesced and their values unscaled; DTensor grads (FSDP2)
 are unscaled through their local shard.
 
 *One collective, one host sync per optimizer step.* The per-device found_inf values are summed
@@ -34,21 +36,52 @@ CPU offload synchronises its D2H grad copies at the end of backward).
 *Decisions are host-side.* ``step`` skips ``optimizer.step`` when the agreed sum is > 0 (any
 rank, any device, inf or NaN); ``update`` backs off once if any optimizer saw inf, and grows
 only after exactly ``growth_interval`` consecutive clean updates, never to inf. Scale and
-tracker survive ``state_dict`` / ``load_state_dict``.
+tracker survive ``state_dict`` / ``load_state_dict`` and pickling.
 
-Fused optimizers (``_step_supports_amp_scaling``) are not handed the scale: we unscale and
-agree ourselves, then call their plain ``step()``; correct, not fastest.
+torch's state, kept coherent with the host truth
+------------------------------------------------
+- ``_scale`` / ``_growth_tracker``: None until the first ``scale()`` (or
+  ``_lazy_init_scale_growth_tracker(device)``), then a float32 / int32 tensor on that device
+  holding the host value. Assigning one sets the host value from it; a write into one in place
+  (``_scale.fill_(...)``, as torch's own ``load_state_dict`` does) is seen through the tensor's
+  version counter and read back at the next call (one host read, only after such a write).
+- ``_init_scale`` / ``_init_growth_tracker``: the host values (torch's "value before lazy init").
+- ``_per_optimizer_states[id(opt)]``: torch's ``{"stage", "found_inf_per_device"}``.
+- ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16=True)`` (ShardedGradScaler's default),
+  ``_check_inf_per_device``,
+  ``_found_inf_per_device``, ``_get_scale_async``, ``state_dict`` keys: torch's signatures.
+- An optimizer with ``_step_supports_amp_scaling`` that is not one of torch's own follows torch's
+  protocols: a ``step()`` that takes ``grad_scaler`` is handed this scaler (with torch's
+  FutureWarning); any other gets ``grad_scale`` and ``found_inf`` as attributes, found_inf the
+  decision agreed over the ranks (exactly 0.0 or 1.0).
+
+Where it differs from ``torch.amp.GradScaler`` on purpose (each is tested in
+tests/conformance/test_torch_state.py):
+
+1. ``found_inf_per_device`` holds one CPU entry, the sum agreed over every device and rank:
+   torch's holds one tensor per device, local to the rank, which is how ranks come to disagree.
+2. fp16 grads are unscaled, as by ``ShardedGradScaler`` (FSDP keeps fp16 grads);
+   ``torch.amp.GradScaler.unscale_`` raises "Attempting to unscale FP16 gradients.".
+3. torch's own fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad) are not handed
+   ``grad_scale`` / ``found_inf``: we unscale and agree ourselves, then call their plain ``step()``
+   only where no rank overflowed. Handing them an un-agreed found_inf is known bug
+   ``torch-sharded-hands-fused-a-sum``; benchmarks/fused_handoff.py measures what this costs.
+4. CUDA missing is an error, never a silent ``enabled=False``.
+5. A scaler holding a ``process_group`` does not pickle (process groups do not); pickle it
+   with ``process_group=None`` and set the group after loading.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
+import warnings
 from collections import abc, defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 try:
     from torch.distributed.tensor import DTensor
@@ -63,7 +96,10 @@ __all__ = ["DeviceSplitGradScaler"]
 _FIX = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
 _NEW_SCALE_REASON = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                      "torch.FloatTensor with requires_grad=False.")
+_PICKLE_REASON = ("A GradScaler instance may only be pickled at the beginning "
+                  "of an iteration, or at the end after scaler.update().")
 _FUSED_MISSING: set = set()  # (device type, dtype) where the fused kernel raised NotImplementedError
+_CPU = torch.device("cpu")
 
 
 def _f32(x: float) -> float:
@@ -72,19 +108,55 @@ def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float64).float().item()
 
 
-def _fresh_state() -> dict[str, Any]:
-    return {"stage": OptState.READY, "found_inf": None}
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor (made under inference_mode) cannot be written in place later
+        return None
 
 
-class DeviceSplitGradScaler:
+def _device(dev) -> torch.device:
+    """torch.device(dev), with a bare "cuda" resolved to the current GPU (so one device has one key)."""
+    dev = torch.device(dev)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor's value on `device` without an asynchronous device-to-host copy: a CPU value
+    is read on the host and filled in; a device value is copied blocking."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu":
+        return torch.full((), t.item(), dtype=t.dtype, device=device)
+    return t.to(device)
+
+
+def _torch_optimizer(optimizer) -> bool:
+    """One of torch's own optimizers (its step() defined in torch.optim), whose fused kernels we know."""
+    return getattr(type(optimizer).step, "__module__", "").startswith("torch.optim.")
+
+
+def found_inf_value(state: dict[str, Any]) -> float | None:
+    """The found_inf an optimizer's state records (ours: the agreed sum, one CPU entry), None if none."""
+    per_device = state["found_inf_per_device"]
+    return sum(t.item() for t in per_device.values()) if per_device else None
+
+
+class DeviceSplitGradScaler(torch.amp.GradScaler):
     def __init__(self, device: str | torch.device | None = None, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True, process_group: Any = None) -> None:
+        # torch's __init__ is not called: it disables the scaler with a warning where CUDA is missing
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device).type
         self._enabled = bool(enabled)
         self.process_group = process_group
+        self._scale_device: torch.device | None = None  # set by the first scale(), as torch does
+        self._scale_tensors: dict[torch.device, tuple[torch.Tensor, int | None]] = {}  # this scale, per device
+        self._tracker_tensor: tuple[torch.Tensor, int | None] | None = None
         if not self._enabled:
             return
         if self._device == "cuda" and not torch.cuda.is_available():
@@ -101,20 +173,87 @@ class DeviceSplitGradScaler:
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral) \
                 or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-        self._scale = _f32(float(init_scale))
-        self._growth_tracker = 0
+        self._host_scale = _f32(float(init_scale))
+        self._host_growth_tracker = 0
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = int(growth_interval)
-        self._scale_device: torch.device | None = None  # set by the first scale(), as torch does
-        self._scale_tensors: dict[torch.device, torch.Tensor] = {}  # this step's scale, per device
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+
+    # ------------------------------------------------------------------ torch's state, as views of the host truth
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        if self._scale_device is None:
+            return None
+        self._adopt_writes()
+        return self._scale_on(self._scale_device)
+
+    @_scale.setter
+    def _scale(self, value: torch.Tensor | None) -> None:
+        if value is None:
+            self._scale_device, self._scale_tensors, self._tracker_tensor = None, {}, None
+            return
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise TypeError(f"_scale must be None or a 1-element tensor, got {value!r}")
+        self._scale_device = _device(value.device)
+        self._set_scale(float(value.item()))
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        if self._scale_device is None:
+            return None
+        self._adopt_writes()
+        if self._tracker_tensor is None:
+            t = torch.full((), self._host_growth_tracker, dtype=torch.int32, device=self._scale_device)
+            self._tracker_tensor = (t, _version(t))
+        return self._tracker_tensor[0]
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value: torch.Tensor | None) -> None:
+        self._tracker_tensor = None
+        if value is not None:
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise TypeError(f"_growth_tracker must be None or a 1-element tensor, got {value!r}")
+            self._host_growth_tracker = int(value.item())
+
+    @property
+    def _init_scale(self) -> float:
+        return self._host_scale
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._set_scale(float(value))
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._host_growth_tracker
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        self._host_growth_tracker = int(value)
+        self._tracker_tensor = None
+
+    def _adopt_writes(self) -> None:
+        """Take as the host truth a value written in place into a tensor handed out as _scale or _growth_tracker."""
+        for t, seen in self._scale_tensors.values():
+            if _version(t) != seen:
+                self._set_scale(float(t.item()))
+                break
+        if self._tracker_tensor is not None and _version(self._tracker_tensor[0]) != self._tracker_tensor[1]:
+            self._host_growth_tracker = int(self._tracker_tensor[0].item())
+            self._tracker_tensor = None
+
+    def _lazy_init_scale_growth_tracker(self, dev) -> None:
+        if self._scale_device is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._scale_device = _device(dev)
 
     # ------------------------------------------------------------------ scale
     def scale(self, outputs):
         """Multiply a tensor or (nested) iterable of tensors by the current scale."""
         if not self._enabled:
             return outputs
+        self._adopt_writes()
         if isinstance(outputs, torch.Tensor):
             return outputs * self._scale_on(outputs.device)
         if isinstance(outputs, abc.Iterable):
@@ -124,14 +263,15 @@ class DeviceSplitGradScaler:
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         if self._scale_device is None:
-            self._scale_device = device
-        t = self._scale_tensors.get(device)
-        if t is None:
-            t = self._scale_tensors[device] = torch.full((), self._scale, dtype=torch.float32, device=device)
-        return t
+            self._scale_device = _device(device)
+        entry = self._scale_tensors.get(device)
+        if entry is None:
+            t = torch.full((), self._host_scale, dtype=torch.float32, device=device)
+            entry = self._scale_tensors[device] = (t, _version(t))
+        return entry[0]
 
     def _set_scale(self, value: float) -> None:
-        self._scale = _f32(value)
+        self._host_scale = _f32(value)
         self._scale_tensors = {}
 
     def _check_initialized(self, funcname: str) -> None:
@@ -144,15 +284,23 @@ class DeviceSplitGradScaler:
         if not self._enabled:
             return
         self._check_initialized("unscale_")
+        self._adopt_writes()
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        state["found_inf"] = self._agree(self._unscale_grads_(optimizer))
+        inv_scale = torch.full((), _f32(1.0 / self._host_scale), dtype=torch.float32)  # double reciprocal, like torch
+        self._record_agreed(state, self._unscale_grads_(optimizer, inv_scale, torch.zeros(()), True))
         state["stage"] = OptState.UNSCALED
 
-    def _unscale_grads_(self, optimizer) -> dict[torch.device, torch.Tensor]:
+    def _record_agreed(self, state: dict[str, Any], found: dict[torch.device, torch.Tensor]) -> None:
+        state["found_inf_per_device"] = {_CPU: torch.tensor(self._agree(found), dtype=torch.float32)}
+
+    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+        """torch's signature: unscale by inv_scale and count inf/NaN into found_inf, per device; returns the
+        per-device found_inf (this rank's, before any agreement). Values reach other devices by `_on`."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -160,20 +308,21 @@ class DeviceSplitGradScaler:
                     grad = param.grad
                     if grad is None:
                         continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
                     if grad.is_sparse:
-                        # duplicates are summed here, so an overflow in the sum is seen
-                        grad = param.grad = grad.coalesce()
+                        if grad.dtype is torch.float16:  # duplicates summed here, so an overflow in the sum is seen
+                            grad = param.grad = grad.coalesce()
                         grad = grad._values()
                     elif DTensor is not None and isinstance(grad, DTensor):
                         grad = grad._local_tensor  # in-place ops on it update the DTensor's shard
                     groups[(grad.device, grad.dtype)].append(grad)
-            inv_scale = _f32(1.0 / self._scale)  # double reciprocal, then float, like torch
             found: dict[torch.device, torch.Tensor] = {}
             inv: dict[torch.device, torch.Tensor] = {}
             for (device, dtype), grads in groups.items():
                 if device not in found:
-                    found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                    inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
+                    found[device] = _on(found_inf, device)
+                    inv[device] = _on(inv_scale, device)
                 self._check_and_unscale(grads, found[device], inv[device])
         return found
 
@@ -217,10 +366,12 @@ class DeviceSplitGradScaler:
             dist.all_reduce(total, group=group)
         return total.item()  # a CPU tensor: no device sync
 
-    def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
-        """The agreed found_inf after unscale_ (one entry, on CPU), for code that inspects it."""
-        value = self._per_optimizer_states[id(optimizer)]["found_inf"]
-        return {} if value is None else {torch.device("cpu"): torch.tensor(value)}
+    def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
+        """torch's: check this optimizer's grads without unscaling them; records (and returns) the agreed found_inf."""
+        self._check_initialized("_check_inf_per_device")
+        state = self._per_optimizer_states[id(optimizer)]
+        self._record_agreed(state, self._unscale_grads_(optimizer, torch.ones(()), torch.zeros(()), True))
+        return state["found_inf_per_device"]
 
     # ------------------------------------------------------------------ step / update
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
@@ -233,17 +384,48 @@ class DeviceSplitGradScaler:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and not _torch_optimizer(optimizer):
+            return self._protocol_step(optimizer, state, *args, **kwargs)
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        retval = None if state["found_inf"] > 0 else optimizer.step(*args, **kwargs)
+        found = found_inf_value(state)
+        if found is None:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = None if found > 0 else optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
+
+    def _protocol_step(self, optimizer, state: dict[str, Any], *args, **kwargs):
+        """torch's two protocols for an optimizer that handles scaling itself (not one of torch's own, whose
+        skip we decide: difference 3). A step() that takes grad_scaler is handed this scaler; any other is
+        handed grad_scale and found_inf as attributes, found_inf the agreed decision as exactly 0.0 or 1.0."""
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn("GradScaler is going to stop passing itself as a keyword argument to the passed "
+                          "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                          "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                          FutureWarning, stacklevel=3)
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            state["stage"] = OptState.STEPPED
+            return retval
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        scale = self._scale_on(self._scale_device)
+        # after an explicit unscale_ the grads are unscaled: torch keeps what the user set, if anything
+        optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if state["stage"] is OptState.UNSCALED
+                                else scale * getattr(optimizer, "grad_scale", 1))
+        optimizer.found_inf = torch.full((), float(found_inf_value(state) > 0), device=self._scale_device)
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            state["stage"] = OptState.STEPPED
+            del optimizer.grad_scale, optimizer.found_inf
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Back off if any optimizer skipped; grow after growth_interval clean updates; or set new_scale."""
         if not self._enabled:
             return
         self._check_initialized("update")
+        self._adopt_writes()
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 if new_scale.numel() != 1 or new_scale.requires_grad:
@@ -254,58 +436,34 @@ class DeviceSplitGradScaler:
             else:
                 raise AssertionError(_NEW_SCALE_REASON)
         else:
-            found = [s["found_inf"] for s in self._per_optimizer_states.values() if s["found_inf"] is not None]
+            found = [v for v in map(found_inf_value, self._per_optimizer_states.values()) if v is not None]
             if not found:
                 raise AssertionError("No inf checks were recorded prior to update.")
             if sum(found) > 0:
-                self._set_scale(self._scale * self._backoff_factor)
-                self._growth_tracker = 0
-            elif self._growth_tracker + 1 == self._growth_interval:
-                grown = _f32(self._scale * self._growth_factor)
+                self._set_scale(self._host_scale * self._backoff_factor)
+                self._host_growth_tracker = 0
+            elif self._host_growth_tracker + 1 == self._growth_interval:
+                grown = _f32(self._host_scale * self._growth_factor)
                 if math.isfinite(grown):
                     self._set_scale(grown)
-                self._growth_tracker = 0
+                self._host_growth_tracker = 0
             else:
-                self._growth_tracker += 1
-        self._per_optimizer_states = defaultdict(_fresh_state)
+                self._host_growth_tracker += 1
+            self._tracker_tensor = None
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
-    # ------------------------------------------------------------------ accessors
-    def _get_scale_async(self) -> torch.Tensor | None:
-        return None if self._scale_device is None else self._scale_on(self._scale_device)
-
+    # ------------------------------------------------------------------ accessors (host values: no device sync)
     def get_scale(self) -> float:
-        return self._scale if self._enabled else 1.0
+        if not self._enabled:
+            return 1.0
+        self._adopt_writes()
+        return self._host_scale
 
     def _get_growth_tracker(self) -> int:
-        return self._growth_tracker if self._enabled else 0
-
-    def get_growth_factor(self) -> float:
-        return self._growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = new_factor
-
-    def get_backoff_factor(self) -> float:
-        return self._backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = new_factor
-
-    def get_growth_interval(self) -> int:
-        return self._growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = new_interval
-
-    def is_enabled(self) -> bool:
-        return self._enabled
-
-    def state_dict(self) -> dict[str, Any]:
         if not self._enabled:
-            return {}
-        return {"scale": self._scale, "growth_factor": self._growth_factor,
-                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-                "_growth_tracker": self._growth_tracker}
+            return 0
+        self._adopt_writes()
+        return self._host_growth_tracker
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._enabled:
@@ -320,7 +478,25 @@ class DeviceSplitGradScaler:
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = int(state_dict["growth_interval"])
-        self._growth_tracker = int(state_dict["_growth_tracker"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError(_PICKLE_REASON)
+            if self.process_group is not None:
+                raise TypeError("DeviceSplitGradScaler: a scaler with a process_group cannot be pickled (process "
+                                "groups do not pickle); pickle it with process_group=None and set .process_group "
+                                "after loading")
+            self._adopt_writes()
+            # like torch's: the unpickled scaler makes its tensors again at its first scale()
+            state.update(_host_scale=self._host_scale, _host_growth_tracker=self._host_growth_tracker,
+                         _scale_device=None, _scale_tensors={}, _tracker_tensor=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
 
 def _needs_device_tensor(group) -> bool:

@@ -12,12 +12,22 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from scaler_impl.scaler import DTensor, DeviceSplitGradScaler, _f32
+from scaler_impl.scaler import DTensor, DeviceSplitGradScaler, _f32, found_inf_value
 from tests.harness import cached_group
 from tests.known_bugs import FUSED, MESH, MESH_SEQUENCES, SEQUENCES
 from tests.planted.registry import mutant
 
 _check_and_unscale = DeviceSplitGradScaler._check_and_unscale  # the correct group check
+
+
+def _found(value: float) -> dict:
+    """An optimizer state's found_inf_per_device holding `value`, as the scaler records the agreed sum."""
+    return {torch.device("cpu"): torch.tensor(float(value))}
+
+
+def _unscale_args(scaler) -> tuple:
+    """The rest of _unscale_grads_'s arguments as unscale_ passes them: inv_scale, found_inf, allow_fp16."""
+    return torch.full((), _f32(1.0 / scaler._host_scale)), torch.zeros(()), True
 
 
 @mutant("no_agreement", caught_by=["test_inf_on_some_ranks_makes_every_rank_skip_and_back_off",
@@ -78,11 +88,11 @@ class TrackerNotResetOnBackoff(DeviceSplitGradScaler):
     def update(self, new_scale=None):
         if not self._enabled or new_scale is not None:
             return super().update(new_scale)
-        tracker = self._growth_tracker
-        bad = any(s["found_inf"] for s in self._per_optimizer_states.values())
+        tracker = self._host_growth_tracker
+        bad = any(found_inf_value(s) for s in self._per_optimizer_states.values())
         super().update(new_scale)
         if bad:
-            self._growth_tracker = tracker
+            self._host_growth_tracker = tracker
 
 
 @mutant("state_dict_forgets_tracker", caught_by=["test_state_dict_round_trip_resumes_identically"],
@@ -91,7 +101,7 @@ class StateDictForgetsTracker(DeviceSplitGradScaler):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         if self._enabled:
-            self._growth_tracker = 0
+            self._host_growth_tracker = 0
 
 
 @mutant("unscales_twice", caught_by=["test_unscale_then_clip_then_step_unscales_once"],
@@ -101,8 +111,8 @@ class UnscalesTwice(DeviceSplitGradScaler):
 
     def step(self, optimizer, *args, **kwargs):
         state = self._per_optimizer_states[id(optimizer)] if self._enabled else None
-        if state is not None and state["found_inf"] is not None:
-            self._unscale_grads_(optimizer)
+        if state is not None and state["found_inf_per_device"]:
+            self._unscale_grads_(optimizer, *_unscale_args(self))
         return super().step(optimizer, *args, **kwargs)
 
 
@@ -176,11 +186,11 @@ class StepsOnInf(DeviceSplitGradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"].name == "READY":
             self.unscale_(optimizer)
-        found, state["found_inf"] = state["found_inf"], 0.0
+        found, state["found_inf_per_device"] = state["found_inf_per_device"], _found(0.0)
         try:
             return super().step(optimizer, *args, **kwargs)
         finally:
-            state["found_inf"] = found
+            state["found_inf_per_device"] = found
 
 
 @mutant("hardcoded_growth_factor", caught_by=["test_growth_after_exactly_growth_interval_clean_steps"],
@@ -206,9 +216,9 @@ class GrowsToInf(DeviceSplitGradScaler):
     """Grows even when the grown scale is inf (no isfinite check)."""
 
     def update(self, new_scale=None):
-        due = (self._enabled and new_scale is None and self._growth_tracker + 1 == self._growth_interval
-               and not any(s["found_inf"] for s in self._per_optimizer_states.values()))
-        old = self._scale if self._enabled else None
+        due = (self._enabled and new_scale is None and self._host_growth_tracker + 1 == self._growth_interval
+               and not any(found_inf_value(s) for s in self._per_optimizer_states.values()))
+        old = self._host_scale if self._enabled else None
         super().update(new_scale)
         if due and not math.isfinite(_f32(old * self._growth_factor)):
             self._set_scale(math.inf)
@@ -220,7 +230,7 @@ class StaleScaleAfterBackoff(DeviceSplitGradScaler):
     """scale() keeps multiplying by the scale tensor cached before update() changed the scale."""
 
     def _set_scale(self, value):
-        self._scale = _f32(value)  # the per-device tensor cache is not invalidated
+        self._host_scale = _f32(value)  # the per-device tensor cache is not invalidated
 
 
 @contextlib.contextmanager
@@ -238,9 +248,9 @@ def _hidden_grads(optimizer, hide):
 
 @mutant("ignores_sparse_grads", caught_by=["test_sparse_grads"])
 class IgnoresSparseGrads(DeviceSplitGradScaler):
-    def _unscale_grads_(self, optimizer):
+    def _unscale_grads_(self, optimizer, *args):
         with _hidden_grads(optimizer, lambda grad: grad.is_sparse):
-            return super()._unscale_grads_(optimizer)
+            return super()._unscale_grads_(optimizer, *args)
 
 
 @mutant("ignores_d_tensor_grads", caught_by=["test_fsdp2_dtensor_grads_agree_across_ranks"],
@@ -248,9 +258,9 @@ class IgnoresSparseGrads(DeviceSplitGradScaler):
 class IgnoresDTensorGrads(DeviceSplitGradScaler):
     """FSDP2's DTensor grads are neither unscaled nor checked."""
 
-    def _unscale_grads_(self, optimizer):
+    def _unscale_grads_(self, optimizer, *args):
         with _hidden_grads(optimizer, lambda grad: type(grad).__name__ == "DTensor"):
-            return super()._unscale_grads_(optimizer)
+            return super()._unscale_grads_(optimizer, *args)
 
 
 @mutant("allows_step_twice", caught_by=["test_misuse_raises_like_torch"])
@@ -286,19 +296,19 @@ class DisabledStillScales(DeviceSplitGradScaler):
 @mutant("backs_off_per_optimizer", caught_by=["test_two_optimizers_skip_independently_back_off_once"])
 class BacksOffPerOptimizer(DeviceSplitGradScaler):
     def update(self, new_scale=None):
-        bad = sum(1 for s in self._per_optimizer_states.values() if s["found_inf"]) if self._enabled else 0
+        bad = sum(1 for s in self._per_optimizer_states.values() if found_inf_value(s)) if self._enabled else 0
         super().update(new_scale)
         for _ in range(max(0, bad - 1)):
-            self._set_scale(self._scale * self._backoff_factor)
+            self._set_scale(self._host_scale * self._backoff_factor)
 
 
 @mutant("one_inf_skips_every_optimizer", caught_by=["test_two_optimizers_skip_independently_back_off_once"])
 class OneInfSkipsEveryOptimizer(DeviceSplitGradScaler):
     def step(self, optimizer, *args, **kwargs):
-        if self._enabled and any(s["found_inf"] for s in self._per_optimizer_states.values()):
+        if self._enabled and any(found_inf_value(s) for s in self._per_optimizer_states.values()):
             if self._per_optimizer_states[id(optimizer)]["stage"].name == "READY":
                 self.unscale_(optimizer)
-            self._per_optimizer_states[id(optimizer)]["found_inf"] = 1.0
+            self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = _found(1.0)
         return super().step(optimizer, *args, **kwargs)
 
 
@@ -378,10 +388,10 @@ class InitScaleIgnored(DeviceSplitGradScaler):
 class FirstParamGroupOnly(DeviceSplitGradScaler):
     """Unscales and checks only optimizer.param_groups[0]."""
 
-    def _unscale_grads_(self, optimizer):
+    def _unscale_grads_(self, optimizer, *args):
         class _FirstGroup:
             param_groups = optimizer.param_groups[:1]
-        return super()._unscale_grads_(_FirstGroup)
+        return super()._unscale_grads_(_FirstGroup, *args)
 
 
 @mutant("scales_only_first_output", caught_by=["test_gradient_accumulation_over_several_backwards"])
@@ -415,7 +425,8 @@ class AgreesOnlyInStep(DeviceSplitGradScaler):
         if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"].name == "READY":
             self._check_initialized("step")
             state = self._per_optimizer_states[id(optimizer)]
-            state["found_inf"] = DeviceSplitGradScaler._agree(self, self._unscale_grads_(optimizer))
+            found = self._unscale_grads_(optimizer, *_unscale_args(self))
+            state["found_inf_per_device"] = _found(DeviceSplitGradScaler._agree(self, found))
             state["stage"] = type(state["stage"]).UNSCALED
         return super().step(optimizer, *args, **kwargs)
 
@@ -487,7 +498,7 @@ class UnscaleMarksEveryOptimizer(_KnowsWhenStepping):
             return super().step(optimizer, *args, **kwargs)
         state = self._per_optimizer_states[id(optimizer)]
         if self._unscaled is not None and state["stage"] is OptState.READY:
-            state.update(stage=OptState.UNSCALED, found_inf=self._unscaled["found_inf"])
+            state.update(stage=OptState.UNSCALED, found_inf_per_device=self._unscaled["found_inf_per_device"])
         return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale=None):
@@ -518,7 +529,7 @@ class UpdateCountsSteppedOptimizersOnly(DeviceSplitGradScaler):
         if self._enabled:
             for state in self._per_optimizer_states.values():
                 if state["stage"] is OptState.UNSCALED:
-                    state["found_inf"] = 0.0
+                    state["found_inf_per_device"] = _found(0.0)
         super().update(new_scale)
 
 
@@ -529,9 +540,9 @@ class TrackerCountsOptimizerSteps(DeviceSplitGradScaler):
 
     def update(self, new_scale=None):
         if self._enabled and new_scale is None:
-            states = [s for s in self._per_optimizer_states.values() if s["found_inf"] is not None]
-            if states and not any(s["found_inf"] for s in states):
-                self._growth_tracker += sum(s["stage"] is OptState.STEPPED for s in states) - 1
+            states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+            if states and not any(found_inf_value(s) for s in states):
+                self._host_growth_tracker += sum(s["stage"] is OptState.STEPPED for s in states) - 1
         super().update(new_scale)
 
 
@@ -543,7 +554,7 @@ class ClampsScaleAtOne(DeviceSplitGradScaler):
 
     def update(self, new_scale=None):
         super().update(new_scale)
-        if self._enabled and new_scale is None and self._scale < 1.0:
+        if self._enabled and new_scale is None and self._host_scale < 1.0:
             self._set_scale(1.0)
 
 
@@ -563,7 +574,7 @@ class _LeavesSkipToFusedKernel(DeviceSplitGradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        optimizer.grad_scale, optimizer.found_inf = None, torch.tensor(self.handed(state["found_inf"]))
+        optimizer.grad_scale, optimizer.found_inf = None, torch.tensor(self.handed(found_inf_value(state)))
         try:
             return optimizer.step(*args, **kwargs)
         finally:
@@ -608,7 +619,7 @@ class GradsListedAtFirstUnscale(DeviceSplitGradScaler):
     over param_groups): a param whose grad appears later (an unfrozen layer, an expert first routed to) is
     never unscaled or checked."""
 
-    def _unscale_grads_(self, optimizer):
+    def _unscale_grads_(self, optimizer, *args):
         listed = self.__dict__.setdefault("_listed", {})
         if id(optimizer) not in listed:
             listed[id(optimizer)] = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -617,7 +628,7 @@ class GradsListedAtFirstUnscale(DeviceSplitGradScaler):
         for p, _ in hidden:
             p.grad = None
         try:
-            return super()._unscale_grads_(optimizer)
+            return super()._unscale_grads_(optimizer, *args)
         finally:
             for p, grad in hidden:
                 p.grad = grad
@@ -629,7 +640,7 @@ class ScaleNotRoundedToFloat32(DeviceSplitGradScaler):
     are not powers of two, get_scale() and state_dict() drift from the float32 scale torch keeps."""
 
     def _set_scale(self, value):
-        self._scale = float(value)
+        self._host_scale = float(value)
         self._scale_tensors = {}
 
 
@@ -688,14 +699,14 @@ class TrustsDTensorAgreement(DeviceSplitGradScaler):
 
     _trusting = False
 
-    def _unscale_grads_(self, optimizer):
+    def _unscale_grads_(self, optimizer, *args):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         dtensors = [g for g in grads if isinstance(g, DTensor)]
         self._trusting = bool(dtensors)
         if not dtensors:
-            return super()._unscale_grads_(optimizer)
+            return super()._unscale_grads_(optimizer, *args)
         plain = [g for g in grads if not isinstance(g, DTensor)]
-        found, inv = torch.zeros(()), torch.full((), _f32(1.0 / self._scale))
+        found, inv = torch.zeros(()), torch.full((), _f32(1.0 / self._host_scale))
         with torch.no_grad():
             for group in (dtensors, plain):
                 if group:
