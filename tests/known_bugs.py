@@ -136,6 +136,8 @@ SCALER_FUSED_PATH_TORCH = {"Adam": "", "AdamW": "", "SGD": "", "Adagrad": ">=2.1
 def on_scalers_fused_path(params) -> bool:
     """A fused-optimizer check (test_fused_optimizers.py) whose optimizer takes GradScaler's fused path here."""
     return "fused" in params and versions.holds(torch=SCALER_FUSED_PATH_TORCH[params["fused"]])
+PICKLE = "test_a_scaler_pickles_between_iterations"  # test_torch_state.py
+PROTOCOL = "test_an_optimizer_that_handles_scaling_gets_torchs_protocol"  # test_torch_state.py
 MESH = "test_every_rank_of_the_mesh_takes_the_same_decision"  # params: mesh, order, bad (test_meshes.py)
 FSDP2 = "test_fsdp2_dtensor_grads_agree_across_ranks"  # params: bad (test_fsdp2.py)
 MATRIX = "test_fsdp_matches_ddp"
@@ -225,6 +227,14 @@ KNOWN_BUGS = [
          reach=Reach(REACHABLE, "as its parts; fairscale-cpu-found-inf-not-agreed shows a real overflow", run="--real-overflow"),
          standalone="fairscale-cpu-found-inf-not-agreed",
          precedes={"sharded-cpu-scale-grows-to-inf"}),  # fairscale with its scale on CPU has more than that bug for a sequence to reach
+    _bug("sharded-default-group-bound-at-import", {"torch_sharded", "fairscale_sharded"}, {PICKLE},
+         "ShardedGradScaler's default process_group=dist.group.WORLD is evaluated when its module is imported: "
+         "imported after init_process_group (a lazy import), every scaler built with the default keeps the WORLD "
+         "ProcessGroup, and pickle.dumps / copy.deepcopy / torch.save(scaler) raise TypeError: cannot pickle "
+         "'ProcessGroup' object, where torch.amp.GradScaler pickles between iterations (torch and fairscale alike)",
+         title="does not pickle when its module was imported after init_process_group",
+         reach=Reach(EVERY_RUN, "no overflow: every pickle, deepcopy or torch.save of the scaler object in a process that "
+                     "imported the scaler's module after init_process_group")),
     _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"},
          {"test_growth_never_overflows_to_inf", SEQUENCES, MESH_SEQUENCES},
          "ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the isfinite check "
@@ -456,11 +466,13 @@ KNOWN_BUGS = [
          reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight row, in "
                      "one rank's shard after the reduce-scatter. Its FSDP2 HSDP cells are injection only (see dtensor-"
                      "found-inf-hsdp-one-replica)", run="--real-overflow")),
-    _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX, FUSED},
+    _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX, FUSED, PROTOCOL},
          "fairscale ShardedGradScaler.step passes grad_scaler=self to an optimizer that supports AMP scaling "
          "(every fused one: Adam, AdamW, SGD, Adagrad), whose step() no longer takes it: TypeError: Adam.step() "
          "got an unexpected keyword argument 'grad_scaler'",
-         when=lambda params, cuda: on_scalers_fused_path(params) or where(optimizer="adamw")(params, cuda),
+         # PROTOCOL (no fused or cell param): an optimizer whose step() takes no grad_scaler gets it all the same
+         when=lambda params, cuda: (on_scalers_fused_path(params) or where(optimizer="adamw")(params, cuda)
+                                    or not {"fused", "cell"} & set(params)),
          fairscale=FAIRSCALE_0_4_13,
          title="fused AdamW: TypeError on the grad_scaler keyword",
          reach=Reach(EVERY_RUN, "no overflow: every step of a fused optimizer"),
