@@ -1,4 +1,4 @@
-"""The suite catches planted defects: each mutant scaler (tests/planted/scalers.py) must fail its named checks.
+"""The suite catches planted defects: each mutant scaler (tests/planted/scalers/) must fail its named checks.
 
 Runs the conformance suite once, in a child pytest, against every mutant at once, and reads
 the per-test outcomes from its report records (--report-json). `ours` itself is the control: it must pass there.

@@ -6,7 +6,7 @@ import pytest
 
 from tests import scalers
 from tests.matrix import implementations
-from tests.planted import scalers as planted_scalers
+from tests.planted.scalers.checking import MissesNaN
 from tests.planted.registry import REGISTERED_SCALERS, REGISTERED_WRAPPERS, BrokenWrapper, Mutant, mutant
 
 
@@ -38,7 +38,7 @@ def test_every_planted_defect_has_a_job_a_name_of_its_own_and_resolves():
 
 
 def test_a_jobless_repeated_or_unbound_defect_is_named():
-    nan, ok = planted_scalers.MissesNaN, REGISTERED_SCALERS[0]
+    nan, ok = MissesNaN, REGISTERED_SCALERS[0]
     mutants = [ok,
                Mutant("jobless", nan, nan.factory, caught_by=(), matrix=None),
                Mutant(ok.name, ok.cls, ok.factory, caught_by=("a_test",), matrix=None),  # ok, twice
@@ -47,8 +47,8 @@ def test_a_jobless_repeated_or_unbound_defect_is_named():
     found = "\n".join(problems(mutants, wrappers))
     assert f"{ok.name!r}: registered 2 times" in found, found
     assert "'jobless': no job" in found, found
-    assert "'jobless': --scaler 'tests.planted.scalers:jobless'" in found, found  # no such name in the module
-    assert "'misses_nan': --scaler tests.planted.scalers:misses_nan resolves to" in found, found
+    assert "'jobless': --scaler 'tests.planted.scalers.checking:jobless'" in found, found  # no such name in the module
+    assert "'misses_nan': --scaler tests.planted.scalers.checking:misses_nan resolves to" in found, found
     assert "'never_bound': --fsdp 'tests.planted.wrappers:never_bound'" in found, found
     assert len(found.splitlines()) == 5, found
 

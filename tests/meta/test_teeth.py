@@ -18,7 +18,7 @@ from tests.child_run import child_run_once, outcomes
 pytestmark = pytest.mark.slow  # child runs of the matrix: minutes on 2 cores, once per run (child_run_once)
 
 SLICE = "ws2 and (fsdp1 or fsdp2)"
-# tests/planted/scalers.py declares each mutant's matrix role, with a comment saying where the matrix exposes it
+# tests/planted/scalers/ declares each mutant's matrix role, with a comment saying where the matrix exposes it
 MUTANTS = planted.matrix_mutants("small")  # the defects the matrix's schedule (cell.py) must expose
 WIDE_MUTANTS = planted.matrix_mutants("wide")  # wide cells only: the small model has 8 grads of <= 143 elements
 WRAPPERS = "tests.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
