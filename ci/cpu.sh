@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q -r requirements.txt                              # README: the install
+python -m pip install -q -r requirements-integrations.txt                 # the frameworks the scaler runs in
 python -m pip install -q --require-hashes -r requirements-ci.txt          # CI tools, pinned by hash
 actionlint .github/workflows/*.yml                                          # the workflows lint clean
 SECONDS=0

@@ -25,7 +25,8 @@ from tests.scalers import BUILTINS
 
 # the order of the scaler checks' columns (each named by its module's REPORT_COLUMN; "repro": tests/repro);
 # a column not named here comes after these, by name
-COLUMNS = ("single rank", "across ranks", "busy GPU", "FSDP2", "model sizes", "sequences", "fused optimizers", "meshes", "repro")
+COLUMNS = ("single rank", "across ranks", "busy GPU", "FSDP2", "model sizes", "sequences", "fused optimizers", "meshes",
+           "frameworks", "repro")
 
 
 def pytest_configure(config):
