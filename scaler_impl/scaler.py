@@ -55,8 +55,8 @@ torch's state, kept coherent with the host truth
   FutureWarning); any other gets ``grad_scale`` and ``found_inf`` as attributes, found_inf the
   decision agreed over the ranks (exactly 0.0 or 1.0).
 
-Where it differs from ``torch.amp.GradScaler`` on purpose (each is tested in
-tests/conformance/test_torch_state.py):
+Where it differs from ``torch.amp.GradScaler`` on purpose (tests/conformance/test_differential.py
+compares the two call for call everywhere else):
 
 1. ``found_inf_per_device`` holds one CPU entry, the sum agreed over every device and rank:
    torch's holds one tensor per device, local to the rank, which is how ranks come to disagree.
@@ -69,6 +69,8 @@ tests/conformance/test_torch_state.py):
 4. CUDA missing is an error, never a silent ``enabled=False``.
 5. A scaler holding a ``process_group`` does not pickle (process groups do not); pickle it
    with ``process_group=None`` and set the group after loading.
+6. An optimizer with no grads at all takes part in the agreement and steps (a no-op): a rank of a
+   sharded job may hold none, and must still agree. torch raises "No inf checks were recorded".
 """
 from __future__ import annotations
 

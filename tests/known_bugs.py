@@ -138,6 +138,8 @@ def on_scalers_fused_path(params) -> bool:
     return "fused" in params and versions.holds(torch=SCALER_FUSED_PATH_TORCH[params["fused"]])
 PICKLE = "test_a_scaler_pickles_between_iterations"  # test_torch_state.py
 PROTOCOL = "test_an_optimizer_that_handles_scaling_gets_torchs_protocol"  # test_torch_state.py
+FRAMEWORKS = "test_training_in_a_framework_matches_torchs_scaler_through_an_overflow_and_a_resume"  # test_frameworks.py
+DIFFERENTIAL = "test_every_call_matches_torch_amp_grad_scaler"  # test_differential.py
 MESH = "test_every_rank_of_the_mesh_takes_the_same_decision"  # params: mesh, order, bad (test_meshes.py)
 FSDP2 = "test_fsdp2_dtensor_grads_agree_across_ranks"  # params: bad (test_fsdp2.py)
 MATRIX = "test_fsdp_matches_ddp"
@@ -216,7 +218,7 @@ KNOWN_BUGS = [
          title="no agreement on found_inf across ranks, in the busy-GPU check",
          reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
          standalone="torch-amp-not-shard-aware", by_design=True),
-    _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"}, {SEQUENCES, MESH_SEQUENCES},
+    _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"}, {SEQUENCES, MESH_SEQUENCES, DIFFERENTIAL},
          "fairscale ShardedGradScaler with its scale on CPU breaks the contract in several ways that a sequence "
          "reaches, whichever comes first: a CPU found_inf never agreed across ranks "
          "(fairscale-cpu-found-inf-not-agreed), a backoff only if found_inf == 1.0 "
@@ -227,6 +229,24 @@ KNOWN_BUGS = [
          reach=Reach(REACHABLE, "as its parts; fairscale-cpu-found-inf-not-agreed shows a real overflow", run="--real-overflow"),
          standalone="fairscale-cpu-found-inf-not-agreed",
          precedes={"sharded-cpu-scale-grows-to-inf"}),  # fairscale with its scale on CPU has more than that bug for a sequence to reach
+    _bug("amp-update-one-element-new-scale", {"torch_amp", "torch_sharded", "fairscale_sharded"},
+         {"test_update_with_new_scale"},
+         "GradScaler.update(new_scale=t) accepts a 1-element tensor (its own AssertionError asks for 'a 1-element "
+         "torch.cuda.FloatTensor or torch.FloatTensor'), then copies it with self._scale.copy_(new_scale) into the "
+         "0-dim scale: a tensor of shape [1] raises RuntimeError: output with shape [] doesn't match the broadcast "
+         "shape [1] (torch.amp.GradScaler, torch's and fairscale's ShardedGradScaler alike)",
+         when=where(form="one_element"),
+         title="update(new_scale=torch.tensor([x])) raises: a shape-[1] tensor passes the check, then fails the copy",
+         reach=Reach(EVERY_RUN, "no overflow: every update(new_scale=<a 1-element tensor of shape [1]>)")),
+    _bug("torch-sharded-scale-keeps-loss-dtype", {"torch_sharded"}, {DIFFERENTIAL},
+         "torch ShardedGradScaler.scale() casts the scaled output back to its dtype (on purpose, for FSDP mixed "
+         "precision): a 0-dim fp16 loss times a scale above 65504 / loss comes back inf, where "
+         "torch.amp.GradScaler returns the float32 product; the grads are the same, but a guard or a log that "
+         "reads the scaled loss sees an overflow that did not happen",
+         title="scale() casts a 0-dim fp16 loss back to fp16: the scaled loss is inf where torch's is finite",
+         reach=Reach(EVERY_RUN, "no overflow: every scale() of a 0-dim fp16 loss above 65504 / scale (FSDP fp16 "
+                     "mixed precision without autocast: loss 2.0 at a scale of 2**15)"),
+         by_design=True),
     _bug("sharded-default-group-bound-at-import", {"torch_sharded", "fairscale_sharded"}, {PICKLE},
          "ShardedGradScaler's default process_group=dist.group.WORLD is evaluated when its module is imported: "
          "imported after init_process_group (a lazy import), every scaler built with the default keeps the WORLD "
@@ -297,10 +317,11 @@ KNOWN_BUGS = [
          needs="cuda"),
     _bug("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"}, {"test_update_with_new_scale"},
          "fairscale ShardedGradScaler.update(new_scale=tensor) asserts a torch.cuda.FloatTensor, so a CPU "
-         "tensor for a scale that lives on CPU is refused", when=where(placement="cpu", as_tensor=True), fairscale=FAIRSCALE_0_4_13,
+         "tensor for a scale that lives on CPU is refused", when=where(placement="cpu", form=("tensor", "one_element")), fairscale=FAIRSCALE_0_4_13,
          title="update(new_scale=CPU tensor) refused",
          reach=Reach(EVERY_RUN, "no overflow: every call update(new_scale=<a CPU tensor>) on a scaler whose scale lives on CPU"),
-         needs="cuda"),
+         needs="cuda",
+         precedes={"amp-update-one-element-new-scale"}),  # its assertion refuses the tensor before the copy
     _bug("fairscale-backoff-only-if-exactly-one-two-devices", {"fairscale_sharded"}, {"test_inf_on_two_devices_backs_off_once"},
          "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; an inf on two "
          "devices sums to 2.0 and the scale grows instead", when=where(placement="mixed_cpu_scale"), fairscale=FAIRSCALE_0_4_13,

@@ -54,13 +54,16 @@ def test_growth_never_overflows_to_inf(scaler, placement):
 
 # ------------------------------------------------------------------ update(new_scale)
 
-def _new_scale(spec, placement, as_tensor):
+def _new_scale(spec, placement, form):
     pb = Problem(placement)
     s = build_scaler(spec, pb, init_scale=256.0)
     opt = sgd(pb.params)
     pb.backward(s)
     s.step(opt)
-    s.update(torch.tensor(32.0, device=pb.scaler_device) if as_tensor else 32.0)
+    # a float, a 0-dim tensor, or the "1-element tensor" of torch's own AssertionError message (shape [1])
+    new = {"float": 32.0, "tensor": torch.tensor(32.0, device=pb.scaler_device),
+           "one_element": torch.tensor([32.0], device=pb.scaler_device)}[form]
+    s.update(new)
     set_scale = s.get_scale()
     pb.zero_grad()
     pb.backward(s)
@@ -71,10 +74,10 @@ def _new_scale(spec, placement, as_tensor):
                 grads=pb.grads())
 
 
-@pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "tensor"])
+@pytest.mark.parametrize("form", ["float", "tensor", "one_element"])
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS)
-def test_update_with_new_scale(scaler, placement, as_tensor):
-    out = run_at(placement, _new_scale, scaler, placement, as_tensor)[0]
+def test_update_with_new_scale(scaler, placement, form):
+    out = run_at(placement, _new_scale, scaler, placement, form)[0]
     assert out["set_scale"] == 32.0
     assert equal_lists(out["scaled"], [c * 32 for c in out["targets"]]), "the next backward uses the new scale"
     assert equal_lists(out["grads"], out["targets"])

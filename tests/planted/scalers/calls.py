@@ -6,12 +6,12 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, found_inf_value
-from tests.known_bugs import FUSED, SEQUENCES
+from tests.known_bugs import DIFFERENTIAL, FRAMEWORKS, FUSED, SEQUENCES
 from tests.planted.registry import mutant
 from tests.planted.scalers.common import recorded, KnowsWhenStepping, LeavesSkipToFusedKernel
 
 
-@mutant("steps_on_inf", caught_by=["test_inf_or_nan_skips_step_and_backs_off"],
+@mutant("steps_on_inf", caught_by=["test_inf_or_nan_skips_step_and_backs_off", FRAMEWORKS],
         matrix="small")
 class StepsOnInf(DeviceSplitGradScaler):
     """Backs off on inf but calls optimizer.step() anyway."""
@@ -69,7 +69,7 @@ class OneInfSkipsEveryOptimizer(DeviceSplitGradScaler):
         return super().step(optimizer, *args, **kwargs)
 
 
-@mutant("drops_step_return_value", caught_by=["test_step_forwards_arguments_and_return_value"])
+@mutant("drops_step_return_value", caught_by=["test_step_forwards_arguments_and_return_value", DIFFERENTIAL])
 class DropsStepReturnValue(DeviceSplitGradScaler):
     def step(self, optimizer, *args, **kwargs):
         super().step(optimizer, *args, **kwargs)
@@ -96,7 +96,7 @@ class EmptyStateDictAccepted(DeviceSplitGradScaler):
             super().load_state_dict(state_dict)
 
 
-@mutant("scale_loses_structure", caught_by=["test_scale_multiplies_tensors_and_keeps_structure"])
+@mutant("scale_loses_structure", caught_by=["test_scale_multiplies_tensors_and_keeps_structure", DIFFERENTIAL])
 class ScaleLosesStructure(DeviceSplitGradScaler):
     def scale(self, outputs):
         if self._enabled and isinstance(outputs, tuple):

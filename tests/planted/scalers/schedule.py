@@ -6,7 +6,7 @@ import math
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, _f32, found_inf_value
-from tests.known_bugs import SEQUENCES
+from tests.known_bugs import DIFFERENTIAL, SEQUENCES
 from tests.planted.registry import mutant
 from tests.planted.scalers.common import recorded
 
@@ -188,7 +188,7 @@ class ScaleNotRoundedToFloat32(DeviceSplitGradScaler):
         self._scale_tensors = {}
 
 
-@mutant("state_dict_is_live", caught_by=[SEQUENCES])
+@mutant("state_dict_is_live", caught_by=[SEQUENCES, DIFFERENTIAL])
 class StateDictIsLive(DeviceSplitGradScaler):
     """state_dict() returns one dict that the scaler keeps current (a cache, to avoid rebuilding it): a
     checkpoint kept in memory follows training instead of holding the state it was taken at."""
