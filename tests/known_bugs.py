@@ -248,13 +248,14 @@ KNOWN_BUGS = [
                      "mixed precision without autocast: loss 2.0 at a scale of 2**15)"),
          by_design=True),
     _bug("sharded-default-group-bound-at-import", {"torch_sharded", "fairscale_sharded"}, {PICKLE},
-         "ShardedGradScaler's default process_group=dist.group.WORLD is evaluated when its module is imported: "
-         "imported after init_process_group (a lazy import), every scaler built with the default keeps the WORLD "
-         "ProcessGroup, and pickle.dumps / copy.deepcopy / torch.save(scaler) raise TypeError: cannot pickle "
-         "'ProcessGroup' object, where torch.amp.GradScaler pickles between iterations (torch and fairscale alike)",
-         title="does not pickle when its module was imported after init_process_group",
-         reach=Reach(EVERY_RUN, "no overflow: every pickle, deepcopy or torch.save of the scaler object in a process that "
-                     "imported the scaler's module after init_process_group")),
+         "ShardedGradScaler keeps its process group on the instance and GradScaler.__getstate__ pickles it: a scaler "
+         "given process_group=dist.group.WORLD, or built with the default when its module was imported after "
+         "init_process_group (the default is evaluated at import), makes pickle.dumps / copy.deepcopy / "
+         "torch.save(scaler) raise TypeError: cannot pickle 'ProcessGroup' object, where torch.amp.GradScaler pickles "
+         "between iterations (torch and fairscale alike)",
+         title="does not pickle once it holds a process group (the default does, if imported after init)",
+         reach=Reach(EVERY_RUN, "no overflow: every pickle, deepcopy or torch.save of the scaler object when it holds a "
+                     "process group (given one, or its module imported after init_process_group)")),
     _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"},
          {"test_growth_never_overflows_to_inf", SEQUENCES, MESH_SEQUENCES},
          "ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the isfinite check "

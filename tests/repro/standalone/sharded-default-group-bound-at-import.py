@@ -5,9 +5,10 @@ imported: None if no process group exists yet, the WORLD ProcessGroup object if 
 it in self.process_group (fairscale's: self.group), and GradScaler.__getstate__ copies __dict__, so a scaler
 built with the default in a process that imported the module after init_process_group (a lazy import, as
 frameworks make) raises TypeError on pickle.dumps / copy.deepcopy / torch.save(scaler): ProcessGroups do not
-pickle. Imported before init, the same line pickles. torch.amp.GradScaler pickles at the start or end of an
-iteration (it was made picklable for spawn-based launchers, pytorch#38296). Seen on torch 2.13.0 CPU
-(1-rank gloo group); fairscale 0.4.13's ShardedGradScaler has the same default.
+pickle. Imported before init, the same line pickles; given process_group=dist.group.WORLD explicitly, it never
+does. torch.amp.GradScaler pickles at the start or end of an iteration (it was made picklable for spawn-based
+launchers, pytorch#38296). Seen on torch 2.13.0 and 2.15.0 CPU (1-rank gloo group); fairscale 0.4.13's
+ShardedGradScaler has the same default.
 
     python sharded-default-group-bound-at-import.py [--with-fix]
 
