@@ -7,7 +7,11 @@ growth_interval, enabled, process_group) and returns an object with the torch.am
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import os
+import sys
 import warnings
 from typing import Callable
 
@@ -49,28 +53,59 @@ BUILTINS: dict[str, Callable] = {
 
 
 def load_factory(option: str, spec: str, builtins: dict) -> Callable:
-    """A built-in name or 'package.module:factory' -> the factory, for --scaler and --fsdp alike
-    (clear errors naming the option for bad specs)."""
+    """A built-in name, 'package.module:factory' or 'path/to/file.py:factory' -> the factory, for --scaler and
+    --fsdp alike (clear errors naming the option for bad specs)."""
     if spec in builtins:
         return builtins[spec]
     if ":" not in spec:
         raise ValueError(f"{option} {spec!r}: not a built-in ({', '.join(builtins)}) "
-                         f"and not of the form package.module:factory")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{option} {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+                         f"and not of the form package.module:factory or path/to/file.py:factory")
+    module_name, _, attr = spec.rpartition(":")
+    if module_name.endswith(".py"):
+        module = _load_file(option, spec, module_name)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"{option} {spec!r}: cannot import module {module_name!r}: {exc}"
+                             + _shadowed(module_name)) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"{option} {spec!r}: module {module_name!r} has no callable {attr!r}")
     return factory
 
 
+def _load_file(option: str, spec: str, path: str):
+    """The module in a .py file, by its path (relative to the working directory, which the ranks share)."""
+    file = os.path.abspath(path)
+    if not os.path.isfile(file):
+        raise ValueError(f"{option} {spec!r}: no file {file!r}")
+    name = "_spec_file_" + hashlib.sha1(file.encode()).hexdigest()[:12]  # one module per file, in every process
+    if name not in sys.modules:
+        loader_spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def _shadowed(module_name: str) -> str:
+    """Why a module named tests.* may not import: the suite's own top-level package is `tests` (pytest.ini's
+    pythonpath), which hides a package of the same name in the consumer's project."""
+    if module_name.split(".")[0] != "tests":
+        return ""
+    return (f" (the suite's own package is named 'tests' and hides a package of yours with that name: name your "
+            f"file instead, --scaler path/to/{module_name.replace('.', '/')}.py:<factory>)")
+
+
 def spec_id(spec: str) -> str:
-    """A --scaler or --fsdp spec as it appears in a test id: 'pkg.mod:factory' -> 'pkg.mod-factory' (':' would
-    read as a path separator in -k expressions and --xfails-file entries)."""
-    return spec.replace(":", "-")
+    """A --scaler or --fsdp spec as it appears in a test id: 'pkg.mod:factory' -> 'pkg.mod-factory' (':' and a
+    file spec's '/' would read as path separators in -k expressions and --xfails-file entries)."""
+    return spec.replace(":", "-").replace("/", "-")
 
 
 def resolve(spec: str) -> Callable:

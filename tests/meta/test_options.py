@@ -48,6 +48,23 @@ def test_a_scaler_factory_returning_a_non_scaler_is_named():
         make_scaler("builtins:dict", device="cpu")
 
 
+def test_a_scaler_named_by_its_file_resolves_and_a_shadowed_tests_package_is_explained(tmp_path, monkeypatch):
+    """A consumer's own package named `tests` is hidden by the suite's (pytest.ini pythonpath): the import error
+    says so and names the file form, which works from any directory."""
+    mine = tmp_path / "tests" / "my_scaler.py"
+    mine.parent.mkdir()
+    mine.write_text("from scaler_impl import DeviceSplitGradScaler\n\ndef make(**kw):\n"
+                    "    return DeviceSplitGradScaler(**kw)\n")
+    monkeypatch.chdir(tmp_path)
+    scaler = make_scaler("tests/my_scaler.py:make", device="cpu")
+    assert type(scaler).__name__ == "DeviceSplitGradScaler"
+    with pytest.raises(ValueError, match=r"--scaler 'tests.my_scaler:make': cannot import module 'tests.my_scaler'.*"
+                                         r"the suite's own package is named 'tests'.*--scaler path/to/tests/my_scaler.py"):
+        make_scaler("tests.my_scaler:make", device="cpu")
+    with pytest.raises(ValueError, match=r"--scaler 'nothere.py:make': no file '.*nothere.py'"):
+        make_scaler("nothere.py:make", device="cpu")
+
+
 def returns_its_state_dict(module, settings):
     """A wrong --fsdp factory: it returns the module's state_dict instead of the wrapped module."""
     return module.state_dict()
