@@ -88,7 +88,17 @@ def _names_meta(arg: str, config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every check's expectation (tests/expectations.py), applied here and nowhere else."""
+    """Every check's expectation (tests/expectations.py), applied here and nowhere else; --only-pairs deselects."""
+    pairs_path = config.getoption("--only-pairs")
+    if pairs_path:
+        try:
+            pairs = options.read_pairs(pairs_path)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        keep = [options.kept_by_pairs(pairs, getattr(getattr(i, "callspec", None), "params", {}).get("scaler"),
+                                      i.originalname) for i in items]
+        config.hook.pytest_deselected(items=[i for i, k in zip(items, keep) if not k])
+        items[:] = [i for i, k in zip(items, keep) if k]
     machine, entries = Machine.here(), config.stash.get(xfails.ENTRIES, [])
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})

@@ -17,6 +17,7 @@ with "unrecognized arguments" (inifile: None). Name a path (`python -m pytest . 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -50,9 +51,35 @@ def pytest_addoption(parser):
     group.addoption("--rank-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                     help="seconds a multi-rank case may run before its ranks' stacks are dumped and it fails "
                          "(default %(default)s)")
+    group.addoption("--only-pairs", metavar="PATH", default=None,
+                    help="run each --scaler only on the checks a JSON file names for it, {spec: [test function, "
+                         "...] or \"*\"}; the rest are deselected (the suite's own mutant runs use it)")
 
 
-VALUE_OPTIONS = ("--scaler", "--fsdp", "--xfails-file", "--report", "--report-json", "--rank-timeout")
+VALUE_OPTIONS = ("--scaler", "--fsdp", "--xfails-file", "--report", "--report-json", "--rank-timeout", "--only-pairs")
+
+
+def read_pairs(path: str) -> dict:
+    """--only-pairs: {scaler spec: "*" or a list of test function names}, checked up front."""
+    try:
+        with open(path) as f:
+            pairs = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--only-pairs {path!r}: cannot be read as JSON ({exc})") from None
+    bad = [k for k, v in (pairs.items() if isinstance(pairs, dict) else [])
+           if not (v == "*" or (isinstance(v, list) and all(isinstance(t, str) for t in v)))]
+    if not isinstance(pairs, dict) or bad:
+        raise ValueError(f"--only-pairs {path!r}: must map each scaler spec to \"*\" or a list of test function "
+                         f"names{f'; not so for {bad}' if bad else ''}")
+    return pairs
+
+
+def kept_by_pairs(pairs: dict, scaler: str | None, test: str) -> bool:
+    """Whether --only-pairs keeps this check: a check without a scaler (a matrix cell's other params) is kept."""
+    if scaler is None:
+        return True
+    wanted = pairs.get(scaler, [])
+    return wanted == "*" or test in wanted
 
 
 def joined(args) -> list[str]:

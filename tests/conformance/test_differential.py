@@ -179,8 +179,11 @@ ENABLED = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "
 @pytest.mark.parametrize("placement", placement_params(["cpu"]))
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(config=SETTINGS, calls=st.lists(CALLS, min_size=1, max_size=10))
-# always tried first: a 0-dim fp16 loss, and a state_dict() after a backoff (what torch's sharded scalers change)
+# always tried first: a 0-dim fp16 loss, structures of outputs, and a state_dict() after a backoff
 @example(config=ENABLED, calls=[("scale", ("tensor", (), "float16", False))])
+@example(config=ENABLED, calls=[("scale", ("tuple", [("tensor", (2,), "float32", False),
+                                                     ("list", [("tensor", (), "bfloat16", True)])])),
+                                ("scale", ("iter", [("tensor", (), "float16", False)]))])
 @example(config=ENABLED, calls=[("scale", ("tensor", (), "float32", False)), ("backward", "inf", 0), ("step", False),
                                 ("update", None), ("state_dict",)])
 def test_every_call_matches_torch_amp_grad_scaler(scaler, placement, config, calls):

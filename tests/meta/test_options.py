@@ -65,6 +65,23 @@ def test_a_scaler_named_by_its_file_resolves_and_a_shadowed_tests_package_is_exp
         make_scaler("nothere.py:make", device="cpu")
 
 
+def test_only_pairs_keeps_each_scaler_on_its_checks_and_names_a_bad_file(tmp_path):
+    from tests.options import kept_by_pairs, read_pairs
+
+    good = tmp_path / "pairs.json"
+    good.write_text('{"ours": "*", "mod:mutant": ["test_a"]}')
+    pairs = read_pairs(str(good))
+    assert [kept_by_pairs(pairs, s, t) for s, t in [("ours", "test_b"), ("mod:mutant", "test_a"),
+                                                     ("mod:mutant", "test_b"), ("other", "test_a"), (None, "test_b")]] \
+        == [True, True, False, False, True]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"ours": "test_a"}')
+    with pytest.raises(ValueError, match=r"--only-pairs .*bad.json.*not so for \['ours'\]"):
+        read_pairs(str(bad))
+    with pytest.raises(ValueError, match=r"--only-pairs .*nothere.json.*cannot be read"):
+        read_pairs(str(tmp_path / "nothere.json"))
+
+
 def returns_its_state_dict(module, settings):
     """A wrong --fsdp factory: it returns the module's state_dict instead of the wrapped module."""
     return module.state_dict()
