@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from tests.harness import Harness
+from tests.harness import Harness, RankFailure
 from tests.matrix import axes
 from tests.matrix.cell import train_cell
 from tests.matrix.test_matrix import divergence, natural_overflow_missing, scaler_idle, step_table
@@ -31,8 +31,13 @@ def main(argv=None) -> int:
         for cell in cells:
             print(f"\n## {cell.id} (scaler {args.scaler}, device {axes.cell_device_mode(cell, n_gpus)}, "
                   f"torch {torch.__version__})", flush=True)
-            out = harness.run(train_cell, cell, args.scaler, cell.impl, world_size=cell.world_size,
-                              device=axes.cell_device_mode(cell, n_gpus))
+            try:
+                out = harness.run(train_cell, cell, args.scaler, cell.impl, world_size=cell.world_size,
+                                  device=axes.cell_device_mode(cell, n_gpus))
+            except RankFailure as exc:  # a cell whose training raises (a known bug of the FSDP implementation)
+                print(f"raised: {str(exc).strip().splitlines()[-1]}", flush=True)
+                failed += 1
+                continue
             if out[0].unsupported:
                 print(f"skipped: {out[0].unsupported}")
                 continue

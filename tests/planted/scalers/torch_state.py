@@ -4,9 +4,8 @@ the integrations use (tests/conformance/test_torch_state.py): each still scales,
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, _f32, found_inf_value
+from tests.known_bugs import STATE
 from tests.planted.registry import mutant
-
-STATE = "test_private_scale_state_follows_the_scale"
 
 
 @mutant("ignores_writes_into_scale", caught_by=[STATE])
