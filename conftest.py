@@ -95,13 +95,12 @@ def pytest_collection_modifyitems(config, items):
             pairs = options.read_pairs(pairs_path)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
-        keep = [options.kept_by_pairs(pairs, getattr(getattr(i, "callspec", None), "params", {}).get("scaler"),
-                                      i.originalname) for i in items]
+        keep = [options.kept_by_pairs(pairs, _params(i).get("scaler"), i.originalname) for i in items]
         config.hook.pytest_deselected(items=[i for i, k in zip(items, keep) if not k])
         items[:] = [i for i, k in zip(items, keep) if k]
     machine, entries = Machine.here(), config.stash.get(xfails.ENTRIES, [])
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
+        params = _params(item)
         mark = item.get_closest_marker("repro_of")
         repro_of = mark and ReproOf(mark.args, mark.kwargs.get("placement"), mark.kwargs.get("needs"))
         try:
@@ -117,6 +116,11 @@ def pytest_collection_modifyitems(config, items):
         item.user_properties += [(name, value) for name, value in (
             ("bug", expected.bug), ("xfails_file", expected.xfails_file),
             ("bug_any_version", expected.bug_any_version)) if value]
+
+
+def _params(item) -> dict:
+    """A collected check's parametrization (empty for an unparametrized one)."""
+    return getattr(getattr(item, "callspec", None), "params", {})
 
 
 def pytest_unconfigure(config):

@@ -292,9 +292,12 @@ class DeviceSplitGradScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        inv_scale = torch.full((), _f32(1.0 / self._host_scale), dtype=torch.float32)  # double reciprocal, like torch
-        self._record_agreed(state, self._unscale_grads_(optimizer, inv_scale, torch.zeros(()), True))
+        self._record_agreed(state, self._unscale_grads_(optimizer, self._inv_scale(), torch.zeros(()), True))
         state["stage"] = OptState.UNSCALED
+
+    def _inv_scale(self) -> torch.Tensor:
+        """1 / scale on CPU, from the host value: the reciprocal in double, then float32, as torch computes it."""
+        return torch.full((), _f32(1.0 / self._host_scale), dtype=torch.float32)
 
     def _record_agreed(self, state: dict[str, Any], found: dict[torch.device, torch.Tensor]) -> None:
         state["found_inf_per_device"] = {_CPU: torch.tensor(self._agree(found), dtype=torch.float32)}

@@ -13,7 +13,7 @@ import torch
 from tests.harness import Harness, RankFailure
 from tests.matrix import axes
 from tests.matrix.cell import train_cell
-from tests.matrix.test_matrix import divergence, natural_overflow_missing, scaler_idle, step_table
+from tests.matrix.test_matrix import cell_problem, step_table
 from tests.scalers import BUILTINS
 
 
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
                 print(f"skipped: {out[0].unsupported}")
                 continue
             print(step_table(out))
-            problem = divergence(cell, out) or scaler_idle(cell, out) or natural_overflow_missing(cell, out)
+            problem = cell_problem(cell, out)
             print(f"verdict: {problem or 'FSDP matches DDP; the cycles and the overflow are as the cell requires'}",
                   flush=True)
             failed += problem is not None

@@ -40,10 +40,15 @@ def test_fsdp_matches_ddp(cell, scaler, request):
                        device=axes.cell_device_mode(cell, _n_gpus()))
     if out[0].unsupported:
         pytest.skip(out[0].unsupported)
-    problem = divergence(cell, out) or scaler_idle(cell, out) or natural_overflow_missing(cell, out)
+    problem = cell_problem(cell, out)
     if problem:
         pytest.fail(f"{problem}\n\n{step_table(out)}\n\nrerun this cell alone:\n  {rerun_command(request, cell, scaler)}",
                     pytrace=False)
+
+
+def cell_problem(cell, out) -> str | None:
+    """What is wrong with a cell's run, in the order the checks go (None: nothing)."""
+    return divergence(cell, out) or scaler_idle(cell, out) or natural_overflow_missing(cell, out)
 
 
 def _close(a: float, b: float, rtol: float, atol: float) -> bool:

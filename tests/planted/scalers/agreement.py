@@ -5,7 +5,7 @@ optimizers, on every path that decides a step.
 import torch
 import torch.distributed as dist
 
-from scaler_impl.scaler import DTensor, DeviceSplitGradScaler, _f32
+from scaler_impl.scaler import DTensor, DeviceSplitGradScaler
 from tests.harness import cached_group
 from tests.known_bugs import MESH, MESH_SEQUENCES, SEQUENCES
 from tests.planted.registry import mutant
@@ -115,7 +115,7 @@ class TrustsDTensorAgreement(DeviceSplitGradScaler):
         if not dtensors:
             return super()._unscale_grads_(optimizer, *args)
         plain = [g for g in grads if not isinstance(g, DTensor)]
-        found, inv = torch.zeros(()), torch.full((), _f32(1.0 / self._host_scale))
+        found, inv = torch.zeros(()), self._inv_scale()
         with torch.no_grad():
             for group in (dtensors, plain):
                 if group:

@@ -6,7 +6,7 @@ import contextlib
 import torch
 from torch.amp.grad_scaler import OptState
 
-from scaler_impl.scaler import DeviceSplitGradScaler, _f32, found_inf_value
+from scaler_impl.scaler import DeviceSplitGradScaler, found_inf_value
 
 
 correct_check = DeviceSplitGradScaler._check_and_unscale  # the correct group check
@@ -19,7 +19,7 @@ def recorded(value: float) -> dict:
 
 def unscale_args(scaler) -> tuple:
     """The rest of _unscale_grads_'s arguments as unscale_ passes them: inv_scale, found_inf, allow_fp16."""
-    return torch.full((), _f32(1.0 / scaler._host_scale)), torch.zeros(()), True
+    return scaler._inv_scale(), torch.zeros(()), True
 
 
 def checks_first(k):

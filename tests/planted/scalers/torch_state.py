@@ -3,7 +3,7 @@ the integrations use (tests/conformance/test_torch_state.py): each still scales,
 """
 from torch.amp.grad_scaler import OptState
 
-from scaler_impl.scaler import DeviceSplitGradScaler, _f32, found_inf_value
+from scaler_impl.scaler import DeviceSplitGradScaler, found_inf_value
 from tests.known_bugs import STATE
 from tests.planted.registry import mutant
 
@@ -22,8 +22,7 @@ class UnscaleGradsIgnoresInvScale(DeviceSplitGradScaler):
     """`_unscale_grads_` takes torch's arguments but unscales by its own scale, not the inv_scale it is given."""
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
-        own = inv_scale.new_full((), _f32(1.0 / self._host_scale))
-        return super()._unscale_grads_(optimizer, own, found_inf, allow_fp16)
+        return super()._unscale_grads_(optimizer, self._inv_scale(), found_inf, allow_fp16)
 
 
 @mutant("pickles_mid_iteration", caught_by=["test_a_scaler_pickles_between_iterations"])
