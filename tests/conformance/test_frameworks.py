@@ -1,4 +1,4 @@
-"""The scaler inside the frameworks people train with: a plain loop, accelerate, Lightning.
+"""The scaler inside the frameworks people train with: a plain loop, accelerate, Lightning, with and without FSDP.
 
 Each framework trains the same model for STEPS steps through an overflow, saves its checkpoint, loads it into
 fresh objects and trains RESUMED steps more, once with the scaler under test and once with
@@ -6,7 +6,8 @@ torch.amp.GradScaler (the oracle), in one fresh process per framework (accelerat
 process-wide state). Every loss, every scale after update() and the final params must be equal: both scalers
 unscale with the same float32 inv_scale through the same kernel and skip the same steps, so there is no
 rounding to tolerate. accelerate and Lightning are test dependencies (requirements-integrations.txt); where one
-is missing its check skips and says so.
+is missing its check skips and says so. Both run fp16 loss scaling on CPU too, but FSDP only on a GPU: the FSDP
+variants (one rank, the harness's process group) skip elsewhere.
 """
 import importlib.util
 import os
@@ -23,7 +24,11 @@ REPORT_COLUMN = "frameworks"  # the compatibility report's column for these chec
 STEPS, RESUMED, BATCH, WIDTH = 6, 4, 8, 16
 OVERFLOW_BATCH = 2  # its inputs are 1e20: the loss and the grads overflow in any dtype, so that step must be skipped
 SETTINGS = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
-FRAMEWORKS = {"plain": None, "accelerate": "accelerate", "lightning": "lightning"}  # name -> the package it needs
+# name -> (the package it needs, the FSDP it wraps the model in: None, 1 or 2)
+FRAMEWORKS = {"plain": (None, None), "accelerate": ("accelerate", None), "accelerate-fsdp1": ("accelerate", 1),
+              "accelerate-fsdp2": ("accelerate", 2), "lightning": ("lightning", None), "lightning-fsdp": ("lightning", 1)}
+NO_CPU_FSDP = ("accelerate and Lightning wrap a model in FSDP only on a GPU (accelerate: FSDP is a multi-GPU "
+               "distributed type; Lightning: 'The strategy `fsdp` requires a GPU accelerator')")
 
 
 def _data(device) -> torch.Tensor:
@@ -49,12 +54,13 @@ def _scaler(spec, device):
 
 
 def _params(model) -> list:
-    return [p.detach().float().cpu() for p in model.parameters()]
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2: DTensors
+    return [p.detach().float().cpu() for p in full]
 
 
 # ------------------------------------------------------------------ one run per framework: (losses, scales, params)
 
-def _plain(spec, device, ckpt):
+def _plain(spec, device, ckpt, fsdp):
     data, losses, scales = _data(device), [], []
 
     def train(model, opt, scaler, batches):
@@ -84,13 +90,18 @@ def _plain(spec, device, ckpt):
     return losses, scales, _params(model)
 
 
-def _accelerate(spec, device, ckpt):
+def _accelerate(spec, device, ckpt, fsdp):
     from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
 
     data, losses, scales = _data(device), [], []
+    if fsdp:  # accelerate's launcher variables for the harness's one rank, whose process group is up
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
 
     def prepared():
-        accelerator = Accelerator(mixed_precision="fp16", cpu=device == "cpu")
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=fsdp) if fsdp else None
+        accelerator = Accelerator(mixed_precision="fp16", cpu=device == "cpu", fsdp_plugin=plugin)
+        assert bool(fsdp) == (accelerator.distributed_type == "FSDP"), accelerator.distributed_type
         accelerator.scaler = _scaler(spec, device)  # accelerate has no argument for it: set before prepare()
         model = _model(device)
         model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -115,9 +126,10 @@ def _accelerate(spec, device, ckpt):
     return losses, scales, _params(model)
 
 
-def _lightning(spec, device, ckpt):
+def _lightning(spec, device, ckpt, fsdp):
     import lightning as L
-    from lightning.pytorch.plugins import MixedPrecision
+    from lightning.pytorch.plugins import FSDPPrecision, MixedPrecision
+    from lightning.pytorch.strategies import FSDPStrategy
 
     losses, scales = [], []
 
@@ -136,10 +148,17 @@ def _lightning(spec, device, ckpt):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+    def precision():
+        if not fsdp:
+            return MixedPrecision("16-mixed", device, scaler=_scaler(spec, device))
+        plugin = FSDPPrecision("16-mixed")  # FSDPPrecision(scaler=...) raises in 2.6.6: it reads self.precision unset
+        plugin.scaler = _scaler(spec, device)
+        return plugin
+
     def trainer(steps):
         return L.Trainer(accelerator=device, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         plugins=[MixedPrecision("16-mixed", device, scaler=_scaler(spec, device))])
+                         strategy=FSDPStrategy() if fsdp else "auto", plugins=[precision()])
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_data("cpu").flatten(0, 1)), batch_size=BATCH)
     first = trainer(STEPS)
@@ -158,16 +177,19 @@ def _both(framework, spec, device):
     import warnings
 
     warnings.filterwarnings("ignore")
+    run, fsdp = RUNS[framework.split("-")[0]], FRAMEWORKS[framework][1]
     with tempfile.TemporaryDirectory() as tmp:
-        return {who: RUNS[framework](who, device, os.path.join(tmp, who)) for who in (spec, "oracle")}
+        return {who: run(who, device, os.path.join(tmp, who), fsdp) for who in (spec, "oracle")}
 
 
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
 def test_training_in_a_framework_matches_torchs_scaler_through_an_overflow_and_a_resume(scaler, framework):
-    package = FRAMEWORKS[framework]
+    package, fsdp = FRAMEWORKS[framework]
     if package and importlib.util.find_spec(package) is None:
         pytest.skip(f"needs {package} (a test dependency): pip install -r requirements-integrations.txt")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if fsdp and device == "cpu":
+        pytest.skip(NO_CPU_FSDP)
     with Harness(isolate=True) as harness:
         out = harness.run(_both, framework, scaler, device, world_size=1, device=device, timeout=240)[0]
     (losses, scales, params), (want_losses, want_scales, want_params) = out[scaler], out["oracle"]
