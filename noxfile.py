@@ -1,4 +1,4 @@
-"""The suite on several torch versions, then one table: known bug x torch version (ci/versions.py).
+"""The suite on several torch versions, then one table: known bug x torch version (python -m tests.version_table).
 
     nox                                   # every version of TORCH_VERSIONS, then the table (versions-out/table.md)
     nox -s "tests(torch='2.13.0')"        # one of them; extra pytest args after --
@@ -77,5 +77,6 @@ def table(session: nox.Session) -> None:
     """The table from every versions-out/torch-*.json there is (also as versions-out/table.md)."""
     # fails if a version of TORCH_VERSIONS has no report (args after -- replace this, e.g. `-- --expect ""`)
     args = session.posargs or ["--expect", ",".join(TORCH_VERSIONS)]
-    session.run(sys.executable, str(ROOT / "ci" / "versions.py"), str(OUT), "--markdown", str(OUT / "table.md"),
+    session.chdir(ROOT)
+    session.run(sys.executable, "-m", "tests.version_table", str(OUT), "--markdown", str(OUT / "table.md"),
                 *args, external=True)

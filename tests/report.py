@@ -1,5 +1,5 @@
 """The compatibility report printed at the end of every run (`--report PATH` as Markdown,
-`--report-json PATH` as data for tools such as the torch-version table, ci/versions.py).
+`--report-json PATH` as data for tools such as the torch-version table, python -m tests.version_table).
 
 Built on pytest's own reports: every item carries its scaler, FSDP implementation, check family and
 known bug as user_properties (set at collection, carried by xdist to the controller), and

@@ -1,6 +1,6 @@
 """One table over torch versions: known bug x torch version, from the sessions' --report-json files.
 
-    python ci/versions.py versions-out [--markdown table.md] [--expect 2.4.1,2.13.0,2.14.1]
+    python -m tests.version_table versions-out [--markdown table.md] [--expect 2.4.1,2.13.0,2.14.1]
 
 Reads every torch-*.json in the directory (one per session, written by `pytest --report-json`, read back as
 tests/records.py Reports), and prints: known bug x torch version, each session's headline and exit status
@@ -23,6 +23,7 @@ import collections
 import enum
 import json
 import pathlib
+import sys
 from dataclasses import dataclass
 
 from packaging.version import Version
@@ -184,7 +185,7 @@ def render(sessions: list[Report], expect: list[str] = (), markdown: bool = Fals
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ci/versions.py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.version_table", description=__doc__.splitlines()[0])
     ap.add_argument("directory")
     ap.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown to PATH")
     ap.add_argument("--expect", default="", help="comma-separated torch versions that must have a report")
@@ -195,3 +196,7 @@ def main(argv=None) -> int:
     if args.markdown:
         pathlib.Path(args.markdown).write_text(render(sessions, expect, markdown=True))
     return 1 if problems(sessions, expect) or not sessions else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

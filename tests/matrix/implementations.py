@@ -161,7 +161,7 @@ def fsdp2_api():
 
 
 # FSDP2 on a machine without CUDA: torch < 2.7 touches CUDA in fully_shard's lazy init (first forward), so it
-# cannot run there. Measured with ci/probe_fsdp2_cpu.py (2 gloo ranks, offload on/off, fp32/fp16/bf16): 2.4.1
+# cannot run there. Measured with tests/matrix/probe_fsdp2_cpu.py (2 gloo ranks, offload on/off, fp32/fp16/bf16): 2.4.1
 # creates a torch.cuda.Stream (CUDA wheel without a GPU: "CUDA driver version is insufficient for CUDA runtime
 # version"), 2.5.1 raises "FSDP requires CUDA for streams", 2.6.0 "'Stream' object has no attribute
 # 'record_event'" (the CPU stream's record_event/wait_event came in pytorch/pytorch#145935); 2.7.0 trains.

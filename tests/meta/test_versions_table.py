@@ -1,4 +1,4 @@
-"""The known bug x torch version table (tests/version_table.py, ci/versions.py) on the --report-json files the
+"""The known bug x torch version table (python -m tests.version_table) on the --report-json files the
 report really writes: tiny child pytest runs (-p tests.options -p tests.report), one per "torch version".
 
 One install runs one torch, so each child's conftest stands in for what differs between versions: the torch
@@ -179,13 +179,13 @@ def test_an_xfails_file_entry_that_matched_nothing_is_named(runs):
 
 
 def test_the_cli_reads_the_directory_prints_and_writes_markdown_without_pytest_or_torch(runs, tmp_path):
-    """ci/versions.py as the table job runs it (nox -s table: an interpreter with nox and packaging alone)."""
+    """python -m tests.version_table as the table job runs it (nox -s table: an interpreter with nox and packaging alone)."""
     md = tmp_path / "table.md"
     no_pytest = ("import runpy, sys; sys.modules.update(pytest=None, torch=None); sys.argv = sys.argv[1:]; "
-                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+                 "runpy.run_module(sys.argv[0], run_name='__main__')")
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-c", no_pytest, f"{ROOT}/ci/versions.py", *args], cwd=tmp_path,
+        return subprocess.run([sys.executable, "-c", no_pytest, "tests.version_table", *args], cwd=ROOT,
                               env=clean_env(), capture_output=True, text=True, timeout=120)
 
     proc = cli(str(runs["green"]), "--markdown", str(md), "--expect", "2.4.1,2.10.0,2.13.0")

@@ -1,6 +1,6 @@
 """Does FSDP2 (fully_shard) train on CPU on this torch? Two gloo ranks, no GPU needed.
 
-    python ci/probe_fsdp2_cpu.py        # one line per configuration, then fsdp2_cpu=ok|broken
+    python -m tests.matrix.probe_fsdp2_cpu     # from the repo root: one line per configuration, then fsdp2_cpu=ok|broken
 
 Measures the floor behind FSDP2_CPU_TORCH in tests/matrix/implementations.py: every configuration the matrix
 and tests/conformance/test_fsdp2.py run on CPU (offload on/off, fp32/fp16/bf16, root/nested), three
@@ -18,9 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: its FSDP2 names
-
-from tests.matrix.implementations import fsdp2_api  # noqa: E402
+from tests.matrix.implementations import fsdp2_api
 
 CONFIGS = list(itertools.product((False, True), (None, torch.float16, torch.bfloat16), (False, True)))
 
