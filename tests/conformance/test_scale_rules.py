@@ -186,8 +186,9 @@ def _from_file(spec, placement, path, pattern, split):
 @pytest.mark.parametrize("path", checkpoints.files(), ids=lambda p: p.stem)
 @pytest.mark.parametrize("placement", ["cpu"])
 def test_a_checkpoint_saved_by_another_torch_loads_and_resumes(scaler, placement, path):
-    """Checkpoints of each scaler saved by torch 2.13.0 and 2.15.0 (tests/conformance/checkpoints) load into the
-    scaler under test on this torch and resume the schedule where it stopped."""
+    """Checkpoints of each scaler saved by other torch versions, the oldest supported to the newest
+    (tests/conformance/checkpoints, each file's name says which), load into the scaler under test on this torch
+    and resume the schedule where it stopped."""
     out = run_at(placement, _from_file, scaler, placement, str(path), PATTERN, SPLIT)[0]
     assert out["scales"] == reference_scales(*SETTINGS.values(), PATTERN)[SPLIT:]
     assert out["end"] == _end_state()
