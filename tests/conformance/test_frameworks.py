@@ -104,6 +104,9 @@ def _accelerate(spec, device, ckpt, fsdp):
         assert bool(fsdp) == (accelerator.distributed_type == "FSDP"), accelerator.distributed_type
         accelerator.scaler = _scaler(spec, device)  # accelerate has no argument for it: set before prepare()
         model = _model(device)
+        if fsdp == 1:  # FSDP1 flattens the params: the optimizer is made on the prepared model (accelerate's guide)
+            model = accelerator.prepare(model)
+            return accelerator, model, accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         return accelerator, model, opt
 
@@ -158,7 +161,8 @@ def _lightning(spec, device, ckpt, fsdp):
     def trainer(steps):
         return L.Trainer(accelerator=device, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         strategy=FSDPStrategy() if fsdp else "auto", plugins=[precision()])
+                         strategy=FSDPStrategy() if fsdp else "auto", plugins=[precision()],
+                         use_distributed_sampler=False)  # FSDP's DistributedSampler would shuffle the overflow rows
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_data("cpu").flatten(0, 1)), batch_size=BATCH)
     first = trainer(STEPS)
