@@ -10,8 +10,7 @@ with one 4096x4096 matmul queued before scaler.step, torch.amp.GradScaler skippe
 
 These tests share the GPU with the other xdist workers' tasks: other contexts' kernels can only
 delay this stream further, so the race is lost as surely (a correct scaler waits for its copies
-either way). Taking the GPU alone made every worker's GPU work wait for each of them: 315 of the
-430 s of an H200 gate run.
+either way). Taking the GPU alone would make every other worker's GPU work wait for each of them.
 """
 import math
 

@@ -139,8 +139,8 @@ def _some_ranks_step(spec, placement, stepping):
 def test_unmatched_step_surfaces_as_a_hang_in_bounded_time(scaler, placement):
     """A scaler that agrees across ranks must block here; the harness turns that into a failure."""
     # the same step on every rank first (matched, so no hang): the first optimizer step of a process imports
-    # torch._dynamo (and triton with a CUDA build: 6 s alone, over 15 s on a loaded 2-core runner), and the
-    # short timeout below must time the mismatch, not first-use imports
+    # torch._dynamo (and triton with a CUDA build, which on a loaded runner can outlast the timeout below), and
+    # the short timeout below must time the mismatch, not first-use imports
     run_at(placement, _some_ranks_step, scaler, placement, (0, 1), world_size=2)
     with pytest.raises(RankHung, match="rank"):
         run_at(placement, _some_ranks_step, scaler, placement, (0,), world_size=2, timeout=15)  # rank 1 skips

@@ -2,8 +2,7 @@
 the CUDA context budget.
 
 Every rank of a GPU pool owns a CUDA context, and idle pools stay alive, so without a bound the contexts on
-a GPU grow with xdist workers x pool sizes until it runs out of memory (14 workers x 7 ranks = 98 contexts
-fill an H200's 140 GiB: ~1.4 GiB each with a task's working set). Each GPU has a budget of context slots
+a GPU grow with xdist workers x pool sizes until it runs out of memory. Each GPU has a budget of context slots
 shared by every worker (flock'ed slot files); a pool holds one per rank on that GPU for its life. A worker
 waiting for slots touches a 'wanted' file, and the other workers retire their idle GPU pools when they see it.
 """
@@ -19,10 +18,9 @@ import time
 
 from tests.harness.failures import RankFailure
 
-# one rank's CUDA context plus a task's working set, with margin. Measured in the GPU gate (ci/gpu.sh, torch 2.11,
-# H100 80 GB, FSDP_AMP_GPU_CONTEXTS=42: 6 workers): GPU memory peaked at 53 GiB for 42 budgeted contexts
-# (67 processes on the GPU, CPU-mode ranks that touch CUDA and child runs included), 1.26 GiB per budgeted
-# context; 1.7 leaves a third of that headroom and gives an H100 6 workers (2.0 gave it 5: 360 s against 267 s)
+# one rank's CUDA context plus a task's working set: the GPU gate's peak GPU memory over its budgeted contexts
+# (CPU-mode ranks that touch CUDA and child runs included), plus a third for headroom. More per context means
+# fewer workers on a GPU and a slower gate; less risks running out of GPU memory.
 CONTEXT_GIB = 1.7
 
 

@@ -15,10 +15,10 @@ from tests.matrix.cell import train_cell
 from tests.scalers import make_scaler
 
 INI = os.path.join(ROOT, "pytest.ini")  # not an xfails file
-# the child runs of the main job below are CPU work of ~30 s each: ci/cpu.sh runs them, the GPU gate leaves them out
+# the child runs of the main job below are CPU work: ci/cpu.sh runs them, the GPU gate leaves them out
 CHILD_MAIN_JOB = pytest.mark.slow
-# child runs that stop at start-up on a usage error: option parsing, no GPU path (~8 s each on the GPU machine,
-# most of it importing torch): CPU work as well
+# child runs that stop at start-up on a usage error: option parsing, no GPU path (their time is importing
+# torch): CPU work as well
 CHILD_USAGE_ERROR = pytest.mark.slow
 
 

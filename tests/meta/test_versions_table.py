@@ -18,7 +18,7 @@ from tests.child_run import ROOT, clean_env
 from tests.records import Report, Unmatched
 from tests.version_table import BugCell, Status
 
-# slow: child pytest runs, CPU work (~30 s each on the GPU machine): ci/cpu.sh runs them, the GPU gate leaves them out
+# slow: child pytest runs, CPU work: ci/cpu.sh runs them, the GPU gate leaves them out
 pytestmark = [pytest.mark.harness, pytest.mark.slow]
 
 CONFTEST = '''
