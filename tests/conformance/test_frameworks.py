@@ -26,7 +26,8 @@ OVERFLOW_BATCH = 2  # its inputs are 1e20: the loss and the grads overflow in an
 SETTINGS = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
 # name -> (the package it needs, the FSDP it wraps the model in: None, 1 or 2)
 FRAMEWORKS = {"plain": (None, None), "accelerate": ("accelerate", None), "accelerate-fsdp1": ("accelerate", 1),
-              "accelerate-fsdp2": ("accelerate", 2), "lightning": ("lightning", None), "lightning-fsdp": ("lightning", 1)}
+              "accelerate-fsdp2": ("accelerate", 2), "lightning": ("lightning", None),
+              "lightning-fsdp": ("lightning", 1)}
 NO_CPU_FSDP = ("accelerate and Lightning wrap a model in FSDP only on a GPU (accelerate: FSDP is a multi-GPU "
                "distributed type; Lightning: 'The strategy `fsdp` requires a GPU accelerator')")
 

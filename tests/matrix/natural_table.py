@@ -29,15 +29,14 @@ def main(argv=None) -> int:
     failed = 0
     with Harness(isolate=True) as harness:
         for cell in cells:
-            print(f"\n## {cell.id} (scaler {args.scaler}, device {axes.cell_device_mode(cell, n_gpus)}, "
-                  f"torch {torch.__version__})", flush=True)
+            device = axes.cell_device_mode(cell, n_gpus)
+            print(f"\n## {cell.id} (scaler {args.scaler}, device {device}, torch {torch.__version__})", flush=True)
             unrunnable = axes.skip_reason(cell, n_gpus)  # what the matrix skips here (tests/expectations.py)
             if unrunnable:
                 print(f"skipped: {unrunnable}")
                 continue
             try:
-                out = harness.run(train_cell, cell, args.scaler, cell.impl, world_size=cell.world_size,
-                                  device=axes.cell_device_mode(cell, n_gpus))
+                out = harness.run(train_cell, cell, args.scaler, cell.impl, world_size=cell.world_size, device=device)
             except RankFailure as exc:  # a cell whose training raises (a known bug of the FSDP implementation)
                 print(f"raised: {str(exc).strip().splitlines()[-1]}", flush=True)
                 failed += 1

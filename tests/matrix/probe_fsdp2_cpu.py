@@ -1,6 +1,6 @@
 """Does FSDP2 (fully_shard) train on CPU on this torch? Two gloo ranks, no GPU needed.
 
-    python -m tests.matrix.probe_fsdp2_cpu     # from the repo root: one line per configuration, then fsdp2_cpu=ok|broken
+    python -m tests.matrix.probe_fsdp2_cpu     # from the repo root: a line per configuration, then fsdp2_cpu=ok|broken
 
 Measures the floor behind FSDP2_CPU_TORCH in tests/matrix/implementations.py: every configuration the matrix
 and tests/conformance/test_fsdp2.py run on CPU (offload on/off, fp32/fp16/bf16, root/nested), three

@@ -179,7 +179,8 @@ def test_an_xfails_file_entry_that_matched_nothing_is_named(runs):
 
 
 def test_the_cli_reads_the_directory_prints_and_writes_markdown_without_pytest_or_torch(runs, tmp_path):
-    """python -m tests.version_table as the table job runs it (nox -s table: an interpreter with nox and packaging alone)."""
+    """python -m tests.version_table as the table job runs it (nox -s table: an interpreter with nox and packaging
+    alone)."""
     md = tmp_path / "table.md"
     no_pytest = ("import runpy, sys; sys.modules.update(pytest=None, torch=None); sys.argv = sys.argv[1:]; "
                  "runpy.run_module(sys.argv[0], run_name='__main__')")
