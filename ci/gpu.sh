@@ -41,6 +41,13 @@ echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> 
 # Order: xdist's default hands each worker a block of consecutive tests, so the meta-tests' long child runs,
 # collected last, would start last and be the gate's tail; tests/meta first with one test per send starts them at
 # once on different workers.
+# GPU memory in use, once a second (tests/harness/budget.py CONTEXT_GIB is derived from the gate's peak)
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -l 1 \
+    > "$OUT/gpu-memory.csv" 2>/dev/null &
+  SAMPLER=$!
+  trap 'kill "$SAMPLER" 2>/dev/null || true' EXIT
+fi
 # the standalone repros' runs are recorded for docs/upstream/runs.json (python -m tests.upstream.reports --merge)
 FSDP_AMP_STANDALONE_RECORD="$OUT/standalone-runs" \
 python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/conformance tests/matrix tests/repro tests/upstream \
