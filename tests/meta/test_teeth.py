@@ -1,11 +1,11 @@
 """The matrix catches defects inside real FSDP training: planted scalers and broken wrappers fail cells.
 
-A representative slice (the CPU-runnable cells at world size 2 without offload: FSDP1 and FSDP2,
-fp32/fp16/bf16, SGD and fused AdamW, grads upcast or kept low, with and without clipping, the natural
-overflow) runs in a child pytest against `ours` (the control: it must pass every cell) and the mutant
-scalers a real FSDP run should expose; none of these mutants needs an offloaded cell, and the offload
-cells would double the run. Then every ws2 cell, offload too, with `ours` under plugged wrappers: a
-correct one passes, broken ones fail.
+A slice of the CPU-runnable cells at world size 2 without offload runs in a child pytest against `ours` (the
+control: it must pass every cell) and the mutant scalers a real FSDP run should expose: FSDP1's cells whose grads
+stay in fp16/bf16 (keeplow: flat and orig params, with clipping) and the natural-overflow cells of FSDP1 and FSDP2
+(climb: the scale grows until backward overflows, several times, DTensor grads on FSDP2). Each mutant fails at
+least one of them; the other cells of the ws2 slice add no mutant and would triple the run. Then every ws2 cell,
+offload too, with `ours` under plugged wrappers: a correct one passes, broken ones fail.
 The wide model's cells (the model axis) run against the defects that only hundreds of grads or
 multi-chunk grads expose, which the small model's cells cannot. The mesh slice (FSDP2's fp32 SGD cell on a 2x2
 hsdp and on a tp mesh) runs against the defects only a mesh shows: a scaler agreeing along one mesh dim, a wrapper
@@ -18,7 +18,7 @@ from tests.child_run import child_run_once, outcomes
 
 pytestmark = pytest.mark.slow  # child runs of the matrix: minutes on 2 cores, once per run (child_run_once)
 
-SLICE = "ws2 and nooffload and (fsdp1 or fsdp2)"
+SLICE = "ws2 and nooffload and (fsdp1 or fsdp2) and (keeplow or climb)"
 # tests/planted/scalers/ declares each mutant's matrix role, with a comment saying where the matrix exposes it
 MUTANTS = planted.matrix_mutants("small")  # the defects the matrix's schedule (cell.py) must expose
 WIDE_MUTANTS = planted.matrix_mutants("wide")  # wide cells only: the small model has 8 grads of <= 143 elements
