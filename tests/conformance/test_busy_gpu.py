@@ -23,6 +23,10 @@ from tests.harness import run_on_ranks
 
 pytestmark = [pytest.mark.conformance, pytest.mark.gpu]
 REPORT_COLUMN = "busy GPU"  # the compatibility report's column for these checks (tests/report.py)
+# A scaler that reads its copies early loses the race in nearly every trial with this much queued work (docs/bugs.md:
+# 19 or 20 of 20), so five trials all miss it with odds below 1e-6; each trial waits out its queued matmuls on a GPU
+# the other workers share, which is most of this file's time.
+TRIALS = 5
 
 
 def keep_gpu_busy(matmuls: int = 24, n: int = 4096) -> None:
@@ -58,7 +62,7 @@ def _busy_trials(spec, placement, bad, trials):
 @pytest.mark.parametrize("bad", [False, True], ids=["clean", "inf"])
 @pytest.mark.parametrize("placement", placement_params(["offload", "mixed", "cuda"]))
 def test_busy_gpu_cpu_grads_are_unscaled_and_checked(scaler, placement, bad, world_size):
-    out = run_on_ranks(_busy_trials, scaler, placement, bad, 20, world_size=world_size,
+    out = run_on_ranks(_busy_trials, scaler, placement, bad, TRIALS, world_size=world_size,
                        device=device_mode(placement, world_size), timeout=120)
     for rank, trials in enumerate(out):
         for t, trial in enumerate(trials):
