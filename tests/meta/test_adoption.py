@@ -71,10 +71,6 @@ def run_suite(project, factory, *extra):
     return subprocess.run(cmd, cwd=project, env=clean_env(), capture_output=True, text=True, timeout=900)
 
 
-# the checks that read the broken scaler's run: one worker under --dist loadgroup, so the run is made once
-BROKEN_RUN = pytest.mark.xdist_group("adoption-broken")
-
-
 @pytest.fixture(scope="module")
 def broken_run(consumer):
     """The broken scaler's run, and the checks it failed (as data: the report's JSON records)."""
@@ -105,7 +101,6 @@ def test_the_readme_command_collects_none_of_the_suites_own_tests(consumer):
     assert ids and not [i for i in ids if "tests/meta/" in i], [i for i in ids if "tests/meta/" in i][:5]
 
 
-@BROKEN_RUN
 def test_their_broken_scaler_gets_a_red_run_naming_the_failed_checks(broken_run):
     proc, _ = broken_run
     assert proc.returncode == 1, proc.stdout[-5000:] + proc.stderr[-3000:]
@@ -115,7 +110,6 @@ def test_their_broken_scaler_gets_a_red_run_naming_the_failed_checks(broken_run)
     assert "UNEXPECTED OUTCOMES" in proc.stdout
 
 
-@BROKEN_RUN
 def test_their_known_bugs_in_an_xfails_file_give_a_green_run(consumer, broken_run):
     """A team that lists its scaler's known failures (--xfails-file) gets a green gate: "nothing new broke"."""
     _, failed = broken_run
@@ -127,7 +121,6 @@ def test_their_known_bugs_in_an_xfails_file_give_a_green_run(consumer, broken_ru
     assert proc.stdout.count("TICKET-1 (--xfails-file line") >= 1 and "All as expected" in proc.stdout
 
 
-@BROKEN_RUN
 def test_a_check_outside_the_xfails_file_makes_it_red_and_a_stale_entry_is_named(consumer, broken_run):
     _, failed = broken_run
     left_out, listed = failed[0], failed[1:]

@@ -14,9 +14,7 @@ from tests.child_run import ROOT, child_run_once
 from tests.planted import EXPECTED, SCALERS
 from tests.known_bugs import MESH, MESH_SEQUENCES, SEQUENCES
 
-# a child run of the suite: minutes on 2 cores, once per run (child_run_once); one xdist_group, so that with
-# --dist loadgroup (the README's meta command) one worker runs it while the others go on with other tests
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mutants")]
+pytestmark = pytest.mark.slow  # a child run of the suite: minutes on 2 cores, once per run (child_run_once)
 HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"
 # what these checks cost `ours` is their length: the hang's timeout, the Hypothesis budget a passing scaler spends
 # whole, 4 ranks x ~50 mesh cells; they run only for the mutants that name them, and ours's outcomes there are

@@ -17,8 +17,6 @@ from tests import planted
 from tests.child_run import child_run_once, outcomes
 
 pytestmark = pytest.mark.slow  # child runs of the matrix: minutes on 2 cores, once per run (child_run_once)
-# each child run's checks share an xdist_group: with --dist loadgroup (the README's meta command) one worker runs
-# the child and reads it, while the other workers go on with other tests instead of waiting for it
 
 SLICE = "ws2 and nooffload and (fsdp1 or fsdp2) and (keeplow or climb)"
 # tests/planted/scalers/ declares each mutant's matrix role, with a comment saying where the matrix exposes it
@@ -63,60 +61,51 @@ def meshes(tmp_path_factory):
                           scalers=specs, fsdps=fsdps, marker="matrix")
 
 
-@pytest.mark.xdist_group("teeth-scalers")
 def test_ours_passes_every_cell_of_the_slice(scalers):
     got = outcomes(scalers, scaler="ours", test="test_fsdp_matches_ddp")
     assert "passed" in got and set(got) <= {"passed", "skipped"}, got  # skipped: needs a GPU
 
 
-@pytest.mark.xdist_group("teeth-scalers")
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_mutant_fails_cells(scalers, mutant):
     got = outcomes(scalers, scaler=planted.SCALERS[mutant].spec, test="test_fsdp_matches_ddp")
     assert "failed" in got, f"{mutant}: no matrix cell failed ({got or 'no results'})"
 
 
-@pytest.mark.xdist_group("teeth-wide")
 def test_ours_passes_every_wide_cell(wide):
     got = outcomes(wide, scaler="ours", test="test_fsdp_matches_ddp")
     assert "passed" in got and set(got) <= {"passed", "skipped"}, got
 
 
-@pytest.mark.xdist_group("teeth-wide")
 @pytest.mark.parametrize("mutant", WIDE_MUTANTS)
 def test_a_defect_past_the_first_chunk_fails_wide_cells(wide, mutant):
     got = outcomes(wide, scaler=planted.SCALERS[mutant].spec, test="test_fsdp_matches_ddp")
     assert "failed" in got, f"{mutant}: no wide cell failed ({got or 'no results'})"
 
 
-@pytest.mark.xdist_group("teeth-wrappers")
 @pytest.mark.parametrize("impl", ["fsdp1", "fsdp2"])
 def test_a_correct_plugged_wrapper_passes_with_no_expected_failures(wrappers, impl):
     got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=f"{WRAPPERS}:{impl}")
     assert "passed" in got and set(got) <= {"passed", "skipped"}, got  # skipped: needs a GPU
 
 
-@pytest.mark.xdist_group("teeth-wrappers")
 @pytest.mark.parametrize("broken", BROKEN)
 def test_a_broken_plugged_wrapper_fails_cells(wrappers, broken):
     got = outcomes(wrappers, scaler="ours", test="test_fsdp_matches_ddp", impl=planted.WRAPPERS[broken].spec)
     assert "failed" in got, f"{broken}: no cell failed ({got or 'no results'})"
 
 
-@pytest.mark.xdist_group("teeth-mesh")
 def test_ours_and_a_correct_plugged_wrapper_pass_every_mesh_cell(meshes):
     got = outcomes(meshes, scaler="ours", test="test_fsdp_matches_ddp", impl=f"{WRAPPERS}:fsdp2")
     assert "passed" in got and set(got) <= {"passed", "skipped"}, got
 
 
-@pytest.mark.xdist_group("teeth-mesh")
 @pytest.mark.parametrize("mutant", MESH_MUTANTS)
 def test_a_scaler_defect_only_a_mesh_shows_fails_mesh_cells(meshes, mutant):
     got = outcomes(meshes, scaler=planted.SCALERS[mutant].spec, test="test_fsdp_matches_ddp", impl=f"{WRAPPERS}:fsdp2")
     assert "failed" in got, f"{mutant}: no mesh cell failed ({got or 'no results'})"
 
 
-@pytest.mark.xdist_group("teeth-mesh")
 @pytest.mark.parametrize("broken", MESH_BROKEN)
 def test_a_broken_mesh_wrapper_fails_mesh_cells(meshes, broken):
     got = outcomes(meshes, scaler="ours", test="test_fsdp_matches_ddp", impl=planted.WRAPPERS[broken].spec)
