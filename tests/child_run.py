@@ -48,19 +48,33 @@ def child_run(out, paths: list, selection: str, scalers=(), fsdps=(), marker="no
         return json.load(f)["records"]
 
 
-def child_run_once(tmp_path_factory, name: str, paths: list, selection: str, **kwargs) -> list[dict]:
-    """child_run, once per pytest run: the module fixture of every xdist worker that draws one of its tests asks
-    for it, and the first one runs it while the others wait on a file lock and read its records (xdist's advice
-    for a fixture that must run once). Without this, two workers each ran the same minutes-long child run."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's directory, not the worker's
-    out = shared / f"{name}.json"
+def once_per_run(tmp_path_factory, name: str, make):
+    """make()'s JSON value, made once per pytest run: the module fixture of every xdist worker that draws one of its
+    tests asks for it, and the first one calls make() while the others wait on a file lock and read what it wrote
+    (xdist's advice for a fixture that must run once). Without this, two workers each made the same minutes-long
+    child run."""
+    shared = _run_dir(tmp_path_factory)
+    out = shared / f"{name}.value.json"
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.is_file() and out.stat().st_size:
             with open(out) as f:
-                return json.load(f)["records"]
-        return child_run(out, paths, selection, **kwargs)
+                return json.load(f)
+        value = make()
+        out.write_text(json.dumps(value))
+        return value
+
+
+def child_run_once(tmp_path_factory, name: str, paths: list, selection: str, **kwargs) -> list[dict]:
+    """child_run, once per pytest run (once_per_run)."""
+    out = _run_dir(tmp_path_factory) / f"{name}.json"
+    return once_per_run(tmp_path_factory, name, lambda: child_run(out, paths, selection, **kwargs))
+
+
+def _run_dir(tmp_path_factory):
+    """The pytest run's temporary directory, which its xdist workers share (not the worker's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def outcomes(records: list[dict], **match) -> list[str]:

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from tests.child_run import ROOT, clean_env
+from tests.child_run import ROOT, clean_env, once_per_run
 
 pytestmark = [pytest.mark.gate, pytest.mark.slow]
 
@@ -72,11 +72,16 @@ def run_suite(project, factory, *extra):
 
 
 @pytest.fixture(scope="module")
-def broken_run(consumer):
-    """The broken scaler's run, and the checks it failed (as data: the report's JSON records)."""
-    proc = run_suite(consumer, "broken", f"--report-json={consumer / 'broken.json'}")
-    records = json.loads((consumer / "broken.json").read_text())["records"]
-    return proc, sorted(r["nodeid"] for r in records if r["outcome"] == "failed")
+def broken_run(consumer, tmp_path_factory):
+    """The broken scaler's run, and the checks it failed (as data: the report's JSON records); once per run."""
+    def make():
+        proc = run_suite(consumer, "broken", f"--report-json={consumer / 'broken.json'}")
+        records = json.loads((consumer / "broken.json").read_text())["records"]
+        return dict(returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr,
+                    failed=sorted(r["nodeid"] for r in records if r["outcome"] == "failed"))
+    run = once_per_run(tmp_path_factory, "adoption-broken", make)
+    proc = subprocess.CompletedProcess("run_suite(broken)", run["returncode"], run["stdout"], run["stderr"])
+    return proc, run["failed"]
 
 
 def test_their_correct_scaler_gets_a_green_run_of_the_readme_command(consumer):
