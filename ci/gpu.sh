@@ -35,12 +35,6 @@ if [ "${GPUS:-0}" -eq 0 ]; then
 fi
 CORES=$(nproc)
 echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> pytest -n $WORKERS; torch $TORCH"
-# the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
-# the slow meta-tests (planted defects, adoption, torchrun, the child runs in test_options and
-# test_versions_table) are CPU work, run by ci/cpu.sh.
-# Order: xdist's default hands each worker a block of consecutive tests, so the meta-tests' long child runs,
-# collected last, would start last and be the gate's tail; tests/meta first with one test per send starts them at
-# once on different workers.
 # GPU memory in use, once a second (tests/harness/budget.py CONTEXT_GIB is derived from the gate's peak)
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -l 1 \
@@ -48,6 +42,12 @@ if command -v nvidia-smi >/dev/null; then
   SAMPLER=$!
   trap 'kill "$SAMPLER" 2>/dev/null || true' EXIT
 fi
+# the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
+# the slow meta-tests (planted defects, adoption, torchrun, the child runs in test_options and
+# test_versions_table) are CPU work, run by ci/cpu.sh.
+# Order: xdist's default hands each worker a block of consecutive tests, so the meta-tests' long child runs,
+# collected last, would start last and be the gate's tail; tests/meta first with one test per send starts them at
+# once on different workers.
 # the standalone repros' runs are recorded for docs/upstream/runs.json (python -m tests.upstream.reports --merge)
 FSDP_AMP_STANDALONE_RECORD="$OUT/standalone-runs" \
 python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/conformance tests/matrix tests/repro tests/upstream \

@@ -65,7 +65,7 @@ def context_budget(gpu: int) -> int:
 
 POOL_CONTEXTS = 1 + 2 + 4  # the contexts one xdist worker's pools hold at once (world sizes 1, 2, 4 on one GPU)
 CORES_PER_WORKER = 2  # a worker's ranks and its pytest process; more workers per core were slower on the gate
-MAX_WORKERS = 6  # more ran the gate no faster (the ranks are CPU work) and held more GPU memory at once
+MAX_WORKERS = 6  # more ran the gate no faster and held more GPU memory at once
 
 
 def gate_workers(cores: int, contexts: int) -> int:
