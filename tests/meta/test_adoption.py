@@ -65,8 +65,10 @@ def consumer(tmp_path_factory):
 
 
 def run_suite(project, factory, *extra):
-    # the README's adoption command, run from the consumer's checkout
-    cmd = [sys.executable, "-m", "pytest", ROOT, "-n", "2", "-m", "conformance or matrix", "-k", SLICE,
+    """The README's adoption command, run from the consumer's checkout, in one process: the slice is a few seconds
+    of checks, and xdist's workers would each start torch and rank pools for them (the README's own -n auto runs
+    in test_their_correct_scaler_gets_a_green_run_of_the_readme_command)."""
+    cmd = [sys.executable, "-m", "pytest", ROOT, "-p", "no:xdist", "-m", "conformance or matrix", "-k", SLICE,
            "-p", "no:cacheprovider", "--scaler", f"their_pkg.scalers:{factory}", *extra]
     return subprocess.run(cmd, cwd=project, env=clean_env(), capture_output=True, text=True, timeout=900)
 
