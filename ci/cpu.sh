@@ -18,5 +18,5 @@ SECONDS=0
 python -m pytest -n auto --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json"
 echo "ci/cpu.sh: the main job took ${SECONDS} s"
 SECONDS=0
-python -m pytest -n auto tests/meta --junitxml="$OUT/meta-junit.xml" --report="$OUT/meta-report.md"
+python -m pytest -n auto --dist loadfile tests/meta --junitxml="$OUT/meta-junit.xml" --report="$OUT/meta-report.md"
 echo "ci/cpu.sh: the suite's own tests took ${SECONDS} s"

@@ -34,9 +34,11 @@ def runpytest(pytester, monkeypatch, *args, timeout: float = 600):
 
 def child_run(out, paths: list, selection: str, scalers=(), fsdps=(), marker="not slow", extra=()) -> list[dict]:
     """The child's records (tests/report.py as_data: nodeid, test, outcome, scaler, impl, ...), outcome in
-    passed / failed / skipped / xfailed; `out` is where the child writes its --report-json."""
+    passed / failed / skipped / xfailed; `out` is where the child writes its --report-json. One xdist worker: under the
+    meta job's --dist loadfile the other core runs other files, and a second worker would start torch and its rank
+    pools again; a worker (not -p no:xdist) keeps a check that crashes its process from ending the child run."""
     cmd = [sys.executable, "-m", "pytest", *paths, "-m", marker, "-k", selection, "-q",
-           "-p", "no:cacheprovider", "-n", "2", f"--report-json={out}"]
+           "-p", "no:cacheprovider", "-n", "1", f"--report-json={out}"]
     for spec in scalers:
         cmd += ["--scaler", spec]
     for spec in fsdps:
