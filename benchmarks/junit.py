@@ -3,7 +3,8 @@
     python -m benchmarks.junit JUNIT.xml [JUNIT.xml ...]     e.g. ci-out/junit.xml ci-out/meta-junit.xml
 
 Prints, per file, the seconds its tests took summed over workers (what -n N divides), the share of the total,
-and the slowest tests. Last line: worker_seconds=<total>. ci/cpu.sh and ci/gpu.sh write the XML
+and the slowest tests. Where the run loaded benchmarks/cputime.py (ci/cpu.sh does), also the CPU-seconds per file
+and the tests that mostly waited. Last line: worker_seconds=<total>. ci/cpu.sh and ci/gpu.sh write the XML
 (--junitxml); benchmarks/gpu.py reads the GPU gate's through per_file().
 """
 import collections
@@ -11,20 +12,25 @@ import sys
 import xml.etree.ElementTree as ET
 
 
-def cases(path: str) -> list[tuple[str, str, float, bool]]:
-    """(file, test id, seconds, ran) per testcase; ran: not skipped (an xfail ran)."""
+WAITED = (10.0, 0.2)  # a test of >= 10 s that used under a fifth of a core: it mostly waited
+
+
+def cases(path: str) -> list[tuple[str, str, float, bool, float | None]]:
+    """(file, test id, seconds, ran, CPU-seconds) per testcase; ran: not skipped (an xfail ran); CPU-seconds:
+    benchmarks/cputime.py's cpu_s property, None where the run did not record it."""
     out = []
     for case in ET.parse(path).iter("testcase"):
         skipped = case.find("skipped")
         classname = case.get("classname", "")
+        cpu = [float(p.get("value")) for p in case.iter("property") if p.get("name") == "cpu_s"]
         out.append((classname.split(".")[-1] or "?", f"{classname}::{case.get('name')}", float(case.get("time", 0)),
-                    skipped is None or skipped.get("type") == "pytest.xfail"))
+                    skipped is None or skipped.get("type") == "pytest.xfail", cpu[0] if cpu else None))
     return out
 
 
 def per_file(rows) -> collections.Counter:
     total = collections.Counter()
-    for file, _, seconds, _ in rows:
+    for file, _, seconds, *_ in rows:
         total[file] += seconds
     return total
 
@@ -36,10 +42,18 @@ def main(argv=None) -> int:
     rows = [row for path in paths for row in cases(path)]
     files = per_file(rows)
     total = sum(files.values())
-    print(f"{'file':40s} {'worker-s':>9s} {'share':>6s}")
+    cpu = collections.Counter()
+    for file, _, _, _, cpu_s in rows:
+        cpu[file] += cpu_s or 0.0
+    has_cpu = any(row[4] is not None for row in rows)
+    print(f"{'file':40s} {'worker-s':>9s} {'share':>6s}" + (f" {'cpu-s':>8s}" if has_cpu else ""))
     for file, seconds in files.most_common():
-        print(f"{file:40s} {seconds:9.1f} {seconds / total:6.1%}")
-    print("slowest: " + "; ".join(f"{name.split('::', 1)[-1][:70]} {s:.0f}s" for _, name, s, _ in
+        print(f"{file:40s} {seconds:9.1f} {seconds / total:6.1%}" + (f" {cpu[file]:8.1f}" if has_cpu else ""))
+    if has_cpu:
+        waited = [(s, c, name) for _, name, s, _, c in rows if c is not None and s >= WAITED[0] and c < WAITED[1] * s]
+        print(f"cpu_seconds={sum(cpu.values()):.0f}; mostly waiting: " + ("; ".join(
+            f"{name.split('::', 1)[-1][:70]} {s:.0f}s/{c:.0f} cpu-s" for s, c, name in sorted(waited)[-8:]) or "none"))
+    print("slowest: " + "; ".join(f"{name.split('::', 1)[-1][:70]} {s:.0f}s" for _, name, s, *_ in
                                    sorted(rows, key=lambda r: r[2])[-8:]))
     print(f"{sum(r[3] for r in rows)} checks ran, {len(rows)} collected")
     print(f"worker_seconds={total:.0f}")

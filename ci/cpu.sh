@@ -15,8 +15,8 @@ python -m pip install -q -r requirements-integrations.txt                 # the 
 python -m pip install -q --require-hashes -r requirements-ci.txt          # CI tools, pinned by hash
 actionlint .github/workflows/*.yml                                          # the workflows lint clean
 SECONDS=0
-python -m pytest -n auto --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json"
+python -m pytest -n auto -p benchmarks.cputime --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json"
 echo "ci/cpu.sh: the main job took ${SECONDS} s"
 SECONDS=0
-python -m pytest -n auto --dist loadfile tests/meta --junitxml="$OUT/meta-junit.xml" --report="$OUT/meta-report.md"
+python -m pytest -n auto --dist loadfile tests/meta -p benchmarks.cputime --junitxml="$OUT/meta-junit.xml" --report="$OUT/meta-report.md"
 echo "ci/cpu.sh: the suite's own tests took ${SECONDS} s"

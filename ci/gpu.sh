@@ -51,4 +51,4 @@ fi
 # the standalone repros' runs are recorded for docs/upstream/runs.json (python -m tests.upstream.reports --merge)
 FSDP_AMP_STANDALONE_RECORD="$OUT/standalone-runs" \
 python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/conformance tests/matrix tests/repro tests/upstream \
-  --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"
+  -p benchmarks.cputime --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"

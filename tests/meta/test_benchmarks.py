@@ -1,0 +1,83 @@
+"""The benchmarks measure what they say: benchmarks/cputime.py counts the CPU of a test's process tree (its
+reaped children and its live ones, as a rank pool is) and not its waiting, and benchmarks/junit.py sums it per file
+and names the tests that mostly waited."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from benchmarks import junit
+from tests.child_run import ROOT, clean_env
+
+pytestmark = pytest.mark.slow  # a child pytest run: CPU work, ci/cpu.sh runs it, the GPU gate leaves it out
+
+CHILD = textwrap.dedent('''
+    import subprocess, sys, time
+    import pytest
+
+    # a fixed amount of work: its CPU-seconds do not grow with the machine's load, only its wall time does
+    WORK = "sum(i * i for i in range(10_000_000)); print('done', flush=True)"
+
+
+    @pytest.fixture(scope="module")
+    def live():
+        proc = subprocess.Popen([sys.executable, "-c", WORK + "; import sys; sys.stdin.read()"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        yield proc
+        proc.stdin.close()
+        proc.wait()
+
+
+    def test_burns_in_a_reaped_child():
+        subprocess.run([sys.executable, "-c", WORK], check=True, capture_output=True)
+
+
+    def test_burns_in_a_live_child(live):
+        assert live.stdout.readline().strip() == "done"  # its work is done; it lives on past this test
+
+
+    def test_sleeps(live):
+        time.sleep(1.0)
+''')
+MIN_WORK_S = 0.2  # the work above takes ~0.8 CPU-s on the 2-core CI machine; a 4x faster core still passes
+MAX_IDLE_S = 0.2  # a test that sleeps spends milliseconds of CPU, however loaded the machine
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    where = tmp_path_factory.mktemp("cputime")
+    (where / "test_child.py").write_text(CHILD)
+    xml = where / "junit.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "benchmarks.cputime", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", "-c", "/dev/null", "--rootdir", str(where), f"--junitxml={xml}",
+                           str(where / "test_child.py")], cwd=ROOT, env=dict(clean_env(), PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name.rsplit("::", 1)[-1]: cpu for _, name, _, _, cpu in junit.cases(str(xml))}
+
+
+@pytest.mark.parametrize("test", ["test_burns_in_a_reaped_child", "test_burns_in_a_live_child"])
+def test_a_childs_cpu_counts_reaped_or_alive(measured, test):
+    assert measured[test] is not None and measured[test] >= MIN_WORK_S, measured
+
+
+def test_waiting_is_not_cpu(measured):
+    assert measured["test_sleeps"] is not None and measured["test_sleeps"] < MAX_IDLE_S, measured
+
+
+def test_junit_sums_cpu_per_file_and_names_the_waits(tmp_path, capsys):
+    (tmp_path / "j.xml").write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.a.test_x" name="test_busy" time="12.0">'
+        '<properties><property name="cpu_s" value="11.5"/></properties></testcase>'
+        '<testcase classname="tests.a.test_x" name="test_waits" time="30.0">'
+        '<properties><property name="cpu_s" value="0.4"/></properties></testcase>'
+        '<testcase classname="tests.a.test_y" name="test_short_wait" time="2.0">'
+        '<properties><property name="cpu_s" value="0.0"/></properties></testcase>'
+        '</testsuite></testsuites>')
+    assert junit.main([str(tmp_path / "j.xml")]) == 0
+    out = capsys.readouterr().out
+    assert [line.split() for line in out.splitlines()[1:3]] == [["test_x", "42.0", "95.5%", "11.9"],
+                                                                ["test_y", "2.0", "4.5%", "0.0"]], out
+    assert "cpu_seconds=12; mostly waiting: test_waits 30s/0 cpu-s\n" in out, out
