@@ -1,6 +1,9 @@
 """The parent side of a pool: world_size long-lived rank processes sharing one process group.
 
-The ranks are spawned once and run task after task (spawning costs seconds, a task milliseconds).
+The ranks are started once and run task after task (starting one costs seconds, a task milliseconds). They
+fork from multiprocessing's fork server, which has imported torch (PRELOAD) once for this process: a spawned
+rank imports it anew, most of a rank's start (benchmarks/harness.py). The server never initializes CUDA, so
+its forks may. A rank takes the environment and working directory of the process that starts its pool, as spawned ones do.
 Rendezvous is a FileStore in a private temp dir, so concurrent xdist workers never share a port. The
 parent sends each rank a Task and collects one Outcome per rank; a rank that raises, dies or hangs fails
 the task with every rank's traceback or faulthandler stack (SIGUSR1) and recent output, and a pool whose
@@ -25,6 +28,9 @@ from tests.harness.task import Outcome, Ready, Stop, Task, rank_device, values
 
 PEER_GRACE_S = 5.0  # after one rank raised, the others get this long before their stacks are taken
 STARTUP_TIMEOUT_S = 180.0
+START_METHOD = "forkserver"  # "spawn" for a rank that imports everything itself (benchmarks/harness.py compares)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp"]  # imported once, before the server forks
+multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 Answer = Union[Ready, Outcome]  # what a rank puts on the results queue
 
@@ -33,8 +39,9 @@ class RankPool:
     """world_size long-lived rank processes sharing one process group."""
 
     def __init__(self, world_size: int, backend: str, device: str, gpus: list[int], slots: list,
-                 startup_timeout: float = STARTUP_TIMEOUT_S, budget: dict | None = None):
-        """Spawn the ranks on `gpus` (worker_gpus(); [] on CPU) holding `slots` (their CUDA context slots,
+                 startup_timeout: float = STARTUP_TIMEOUT_S, budget: dict | None = None,
+                 start_method: str = START_METHOD):
+        """Start the ranks on `gpus` (worker_gpus(); [] on CPU) holding `slots` (their CUDA context slots,
         released by shutdown); `budget` ({GPU: contexts}) is quoted by a rank that cannot get its context."""
         self.world_size, self.backend, self.device = world_size, backend, device
         self.slots = slots
@@ -42,13 +49,14 @@ class RankPool:
         self.dir = tempfile.mkdtemp(prefix=f"rankpool-ws{world_size}-")
         self.logs = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
         self._task_ids = itertools.count()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context(start_method)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.procs = [
             ctx.Process(target=rank_main, name=f"rank{r}-of-{world_size}", daemon=True,
                         args=(r, world_size, backend, device, gpus, os.path.join(self.dir, "store"),
-                              self.tasks[r], self.results, os.getpid(), self.logs[r], budget or {}))
+                              self.tasks[r], self.results, os.getpid(), self.logs[r], budget or {},
+                              dict(os.environ)))
             for r in range(world_size)
         ]
         self.healthy = True

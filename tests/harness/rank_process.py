@@ -1,9 +1,9 @@
 """Inside each rank process of a pool: set up once, then run task after task until told to stop.
 
 A rank writes its output to its own log file (the parent reads it back for a failure), dumps its stacks on
-SIGUSR1 (faulthandler: the parent asks for them when a task hangs), dies with its parent (PR_SET_PDEATHSIG
-plus a watchdog thread), also when pytest is SIGKILLed, and ends with os._exit: gloo+FSDP ranks sometimes
-abort in interpreter teardown.
+SIGUSR1 (faulthandler: the parent asks for them when a task hangs), dies with the pytest process that started
+it, also when that is SIGKILLed (its parent is the fork server, which exits with that process: PR_SET_PDEATHSIG,
+plus a watchdog thread), and ends with os._exit: gloo+FSDP ranks sometimes abort in interpreter teardown.
 """
 from __future__ import annotations
 
@@ -22,10 +22,14 @@ from tests.harness.task import Ready, Task, run_task, set_rank_device
 
 
 def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[int], store_path: str,
-              tasks, results, parent_pid: int, log_path: str, budget: dict) -> None:
+              tasks, results, owner_pid: int, log_path: str, budget: dict, environ: dict) -> None:
     """The target of a pool's rank process: `tasks` brings a Task (or Stop), `results` takes one Ready, then
-    run_task's Outcome of each Task. `budget` ({GPU: contexts}) is quoted if the rank gets no CUDA context."""
-    _die_with_parent(parent_pid)
+    run_task's Outcome of each Task. `budget` ({GPU: contexts}) is quoted if the rank gets no CUDA context.
+    `environ` is the owner's (the pool's process) at the rank's start: the fork server's is older (multiprocessing
+    itself brings the working directory)."""
+    _die_with_owner(owner_pid)
+    os.environ.clear()
+    os.environ.update(environ)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
@@ -70,19 +74,29 @@ def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[
     os._exit(0)  # skip interpreter teardown: gloo+FSDP ranks can abort in it
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    try:  # immediate on Linux: the kernel signals us when the parent dies
+def _die_with_owner(owner_pid: int) -> None:
+    try:  # immediate on Linux: the kernel signals us when our parent (the fork server) dies
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    parent = os.getppid()
+
+    def alive() -> bool:
+        try:
+            os.kill(owner_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return os.getppid() == parent
 
     def watch():  # fallback and double check: polled
-        while os.getppid() == parent_pid:
+        while alive():
             time.sleep(0.5)
         os._exit(3)
 
-    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
-    if os.getppid() != parent_pid:
+    threading.Thread(target=watch, daemon=True, name="owner-watchdog").start()
+    if not alive():
         os._exit(3)
 
 

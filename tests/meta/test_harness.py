@@ -117,6 +117,10 @@ def _count_leftovers():
     return sum(ref() is not None for ref in _LEFTOVER_REFS)
 
 
+def _environment(name):
+    return os.environ.get(name), os.getcwd()
+
+
 def _skip_on(rank):
     if dist.get_rank() == rank:
         pytest.skip(f"rank {rank} has nothing to check")
@@ -190,6 +194,16 @@ def test_isolation_mode_gives_the_same_results_as_the_pool(harness):
     for rank in range(2):
         assert all(torch.equal(x, y) for x, y in zip(pooled[rank][0], isolated[rank][0]))
     assert set(pids1).isdisjoint(pids2), "isolation mode must spawn fresh ranks for every case"
+
+
+def test_a_new_pool_takes_the_environment_and_directory_of_its_start(harness, monkeypatch, tmp_path):
+    """The ranks fork from a server started with an older environment: they must not see that one."""
+    harness.run(_identity, "x", world_size=1)  # the fork server is up from here on
+    monkeypatch.setenv("FSDP_AMP_CHECK_ENV", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    with Harness() as fresh:
+        assert fresh.run(_environment, "FSDP_AMP_CHECK_ENV", world_size=2) == \
+            [("set after the server started", str(tmp_path))] * 2
 
 
 # ---------------------------------------------------------------- faults
