@@ -64,3 +64,15 @@ def count_syncs_and_collectives(placement: str):
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) and "prototype" not in str(w.message) for w in caught)
     return syncs, calls["n"]
+
+
+def cuda_matmul_all_reduce():
+    """What a typical GPU check leaves on a rank: a matmul (cuBLAS's handle and workspace), an fp16 autocast
+    step and a gloo all_reduce of a CUDA tensor."""
+    from tests.harness import rank_device
+
+    x = torch.randn(256, 256, device=rank_device())
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = (x @ x).float()
+    dist.all_reduce(y)
+    return float(y.abs().sum())
