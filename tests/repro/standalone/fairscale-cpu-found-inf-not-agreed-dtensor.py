@@ -117,7 +117,7 @@ def run_ranks(world, args):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="spawn")
+        mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="forkserver")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

@@ -98,7 +98,7 @@ def run_ranks(world, args):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="spawn",
+        ctx = mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="forkserver",
                                  join=False)
         deadline = time.monotonic() + 6 * TIMEOUT_S
         while not ctx.join(timeout=1):

@@ -121,7 +121,7 @@ def run_ranks(world, with_fix, limit=6 * GLOO_TIMEOUT_S):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     with tempfile.TemporaryDirectory() as out:
         procs = [ctx.Process(target=_rank, args=(r, world, port, out, with_fix)) for r in range(world)]
         for p in procs:
