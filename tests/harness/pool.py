@@ -205,6 +205,17 @@ class RankPool:
         self.slots = []
 
 
+def stop_fork_server() -> None:
+    """Stop this process's fork server and reap it (at exit, after the pools). Left to notice its owner's exit,
+    it would end as an orphan that nobody reaps, and the CPU of the ranks it reaped would be counted nowhere
+    (benchmarks.cputime reads a test's process tree). multiprocessing has no public call for this."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 def _errors(got: dict[int, Answer]) -> dict[int, str]:
     return {r: m.error for r, m in got.items() if m.error is not None}
 

@@ -29,7 +29,7 @@ import weakref
 
 from tests.harness.budget import CONTEXT_GIB, GpuBudget, context_budget, profile, worker_gpus  # noqa: F401
 from tests.harness.failures import RankDied, RankFailure, RankHung, RankRaised  # noqa: F401
-from tests.harness.pool import STARTUP_TIMEOUT_S, RankPool
+from tests.harness.pool import STARTUP_TIMEOUT_S, RankPool, stop_fork_server
 from tests.harness.task import cached_group, cached_mesh, rank_device  # noqa: F401
 from tests.harness.torchrun import run_under_torchrun, torchrun_world_size
 
@@ -198,4 +198,9 @@ def shutdown_pools() -> None:
         harness.shutdown()
 
 
-atexit.register(shutdown_pools)
+def _at_exit() -> None:
+    shutdown_pools()
+    stop_fork_server()
+
+
+atexit.register(_at_exit)

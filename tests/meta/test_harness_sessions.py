@@ -3,6 +3,7 @@ SIGKILLed), xdist workers run pools side by side, torchrun mode runs the bodies 
 (and a pytest.skip on one of them is reported to all, not a hang), and run_on_ranks uses the harness the
 session built from its options."""
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -27,6 +28,29 @@ def test_no_process_outlives_a_pytest_session(tmp_path):
     rank_pids = {int(p) for f in tmp_path.iterdir() for p in f.read_text().split()[2:]}
     assert len(rank_pids) == 2, "all four tests should have shared one pool"
     assert wait_until_gone(token, 5) == []
+
+
+_BURN_ON_RANKS = """
+import resource
+from tests.harness import run_on_ranks
+from tests.meta.sessions.case_pool import _pid_and_rank
+run_on_ranks(_pid_and_rank, world_size=2)
+own = resource.getrusage(resource.RUSAGE_SELF)
+print(own.ru_utime + own.ru_stime)
+"""
+
+
+def test_what_the_ranks_spent_reaches_whoever_reaps_their_owner(tmp_path):
+    """The ranks' fork server is reaped by the process that started it, not orphaned at its exit: the CPU of the
+    ranks (which the server reaped) then reaches that process's parent (benchmarks.cputime counts child runs so)."""
+    burn = 0.5  # CPU-seconds that each of the two ranks spends in its task
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([sys.executable, "-c", _BURN_ON_RANKS], cwd=ROOT, capture_output=True, text=True,
+                          env=child_env(uuid.uuid4().hex, tmp_path, CASE_BURN_S=str(burn)), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    beyond_own = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime - float(proc.stdout.split()[-1])
+    assert beyond_own >= 2 * burn, f"the child's reaped processes spent {beyond_own:.2f} CPU-s, its ranks {2 * burn}"
 
 
 def test_no_process_outlives_a_killed_pytest(tmp_path):

@@ -10,6 +10,9 @@ from tests.harness import session
 
 def _pid_and_rank():
     time.sleep(float(os.environ.get("CASE_SLEEP_S", "0")))
+    burn = time.process_time() + float(os.environ.get("CASE_BURN_S", "0"))
+    while time.process_time() < burn:  # CPU that only the rank's own process spends
+        pass
     return os.getpid(), dist.get_rank()
 
 
