@@ -28,10 +28,11 @@ def cases(path: str) -> list[tuple[str, str, float, bool, float | None]]:
     return out
 
 
-def per_file(rows) -> collections.Counter:
+def per_file(rows, column: int = 2) -> collections.Counter:
+    """Each file's sum of a column of cases(): 2 worker-seconds (the default), 4 CPU-seconds (None counts 0)."""
     total = collections.Counter()
-    for file, _, seconds, *_ in rows:
-        total[file] += seconds
+    for row in rows:
+        total[row[0]] += row[column] or 0.0
     return total
 
 
@@ -42,9 +43,7 @@ def main(argv=None) -> int:
     rows = [row for path in paths for row in cases(path)]
     files = per_file(rows)
     total = sum(files.values())
-    cpu = collections.Counter()
-    for file, _, _, _, cpu_s in rows:
-        cpu[file] += cpu_s or 0.0
+    cpu = per_file(rows, 4)
     has_cpu = any(row[4] is not None for row in rows)
     print(f"{'file':40s} {'worker-s':>9s} {'share':>6s}" + (f" {'cpu-s':>8s}" if has_cpu else ""))
     for file, seconds in files.most_common():
