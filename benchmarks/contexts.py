@@ -9,17 +9,11 @@ contexts plus what a task leaves behind once the pool has emptied the CUDA cache
 processes' memory counts too. Last line: context_gib=<(in use after - before) / N>.
 """
 import argparse
-import subprocess
 import sys
 
 from benchmarks.cases import cuda_matmul_all_reduce
 from tests.harness import Harness
-
-
-def used_mib(gpu: int = 0) -> float:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(gpu)],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
-    return float(out.split()[0])
+from tests.harness.budget import gpu_memory_mib
 
 
 def main():
@@ -30,10 +24,10 @@ def main():
 
     if not torch.cuda.is_available():
         sys.exit("benchmarks.contexts needs a GPU")
-    before = used_mib()
+    before = gpu_memory_mib(0, "used")
     with Harness() as harness:
         harness.run(cuda_matmul_all_reduce, world_size=args.ranks, device="cuda-shared")
-        after = used_mib()
+        after = gpu_memory_mib(0, "used")
     print(f"GPU 0 memory in use: {before:.0f} MiB before, {after:.0f} MiB with {args.ranks} ranks after a task")
     print(f"context_gib={(after - before) / args.ranks / 1024:.2f}")
 

@@ -48,6 +48,13 @@ def worker_gpus() -> list[int]:
     return [(index + g) % n for g in range(n)]
 
 
+def gpu_memory_mib(gpu: int, field: str) -> float:
+    """One GPU's memory.<field> (total, used, ...) in MiB from nvidia-smi: no CUDA context is made for asking."""
+    out = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits", "-i",
+                          str(gpu)], capture_output=True, text=True, timeout=30, check=True).stdout
+    return float(out.split()[0])
+
+
 @functools.lru_cache(maxsize=None)
 def context_budget(gpu: int) -> int:
     """How many CUDA contexts of this suite may live on one GPU at once, across xdist workers:
@@ -56,9 +63,7 @@ def context_budget(gpu: int) -> int:
     if os.environ.get("FSDP_AMP_GPU_CONTEXTS"):
         return max(1, int(os.environ["FSDP_AMP_GPU_CONTEXTS"]))
     try:
-        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i",
-                              str(gpu)], capture_output=True, text=True, timeout=30, check=True).stdout
-        return max(1, int(float(mib.split()[0]) / 1024 * 0.9 / CONTEXT_GIB))
+        return max(1, int(gpu_memory_mib(gpu, "total") / 1024 * 0.9 / CONTEXT_GIB))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return 16
 

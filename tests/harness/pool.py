@@ -3,7 +3,8 @@
 The ranks are started once and run task after task (starting one costs seconds, a task milliseconds). They
 fork from multiprocessing's fork server, which has imported torch (PRELOAD) once for this process: a spawned
 rank imports it anew, most of a rank's start (benchmarks/harness.py). The server never initializes CUDA, so
-its forks may. A rank takes the environment and working directory of the process that starts its pool, as spawned ones do.
+its forks may. A rank takes the environment and working directory of the process that starts its pool, as
+spawned ones do.
 Rendezvous is a FileStore in a private temp dir, so concurrent xdist workers never share a port. The
 parent sends each rank a Task and collects one Outcome per rank; a rank that raises, dies or hangs fails
 the task with every rank's traceback or faulthandler stack (SIGUSR1) and recent output, and a pool whose
