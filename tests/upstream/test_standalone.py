@@ -1,5 +1,6 @@
 """Every standalone repro (tests/repro/standalone/<id>.py, docs/upstream/README.md) run as a maintainer runs it:
-`python FILE` in a child process on this torch, with nothing of this repository on its path. Where an entry it
+`python FILE` on this torch, with nothing of this repository on its path (forked with torch imported,
+tests/upstream/forked.py; `python -m tests.upstream.reports --record` starts each run fresh). Where an entry it
 shows is in force, the run is a strict xfail that only the file's own "bug is there" (exit 1 after its two lines)
 satisfies; where none is, it must exit 0. So a file that stops reproducing fails the suite, as a strict xfail
 that passes does. Each file runs plain, in each real-training mode of its entries (Reach.run), and with its
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import pytest
 
 from tests.expectations import WITH_FIX, BugShown
 from tests.known_bugs import STANDALONE_DIR, standalone_files
+from tests.upstream import forked
 
 pytestmark = pytest.mark.repro
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,17 +44,22 @@ def path_of(stem: str) -> Path:
     return ROOT / STANDALONE_DIR / f"{stem}.py"
 
 
-def run_file(stem: str, mode: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+def run_file(stem: str, mode: str, python: str | None = None) -> subprocess.CompletedProcess:
     """`python FILE [--MODE]` from an empty directory, this repository off PYTHONPATH: only what the
-    environment installs (torch, fairscale) can be imported from the file, as where a maintainer pastes it."""
+    environment installs (torch, fairscale) can be imported from the file, as where a maintainer pastes it.
+    python=None runs this interpreter forked, torch imported (tests/upstream/forked.py); an interpreter's path
+    starts it fresh."""
     path = path_of(stem)
     env = dict(os.environ)
     keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
             if p and not (Path(p).resolve() == ROOT or ROOT in Path(p).resolve().parents)]
     env["PYTHONPATH"] = os.pathsep.join(keep)
-    argv = [python, str(path)] + ([] if mode == PLAIN else [f"--{mode}"])
+    args = [] if mode == PLAIN else [f"--{mode}"]
     with tempfile.TemporaryDirectory() as cwd:
-        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        if python is None:
+            return forked.run(str(path), args, env, cwd, TIMEOUT_S)
+        return subprocess.run([python, str(path), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
 
 
 def verdict(proc: subprocess.CompletedProcess) -> bool:
