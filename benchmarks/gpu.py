@@ -38,7 +38,7 @@ def main():
 
     rows = junit.cases(os.path.join(out, "junit.xml"))
     per_file, ran = junit.per_file(rows), sum(r[3] for r in rows)
-    slow = [(seconds, name) for _, name, seconds, _ in rows]
+    slow = [(seconds, name) for _, name, seconds, *_ in rows]
     events = collections.defaultdict(list)
     for name in os.listdir(profile):
         with open(os.path.join(profile, name)) as f:

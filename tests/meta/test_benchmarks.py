@@ -81,3 +81,27 @@ def test_junit_sums_cpu_per_file_and_names_the_waits(tmp_path, capsys):
     assert [line.split() for line in out.splitlines()[1:3]] == [["test_x", "42.0", "95.5%", "11.9"],
                                                                 ["test_y", "2.0", "4.5%", "0.0"]], out
     assert "cpu_seconds=12; mostly waiting: test_waits 30s/0 cpu-s\n" in out, out
+
+
+def test_gpu_summarizes_a_gate_run(tmp_path, monkeypatch, capsys):
+    """benchmarks/gpu.py reads what ci/gpu.sh leaves (faked here: the gate needs a GPU) into its summary."""
+    from benchmarks import gpu
+
+    def fake_gate(argv, cwd, env, **_):
+        out = argv[2]
+        (tmp_path / "junit.xml").write_text(
+            '<testsuites><testsuite><testcase classname="tests.a.test_x" name="test_one" time="40.0">'
+            '<properties><property name="cpu_s" value="30.0"/></properties></testcase>'
+            '<testcase classname="tests.a.test_x" name="test_two" time="20.0"><skipped type="pytest.skip"/>'
+            '</testcase></testsuite></testsuites>')
+        with open(f"{env['FSDP_AMP_PROFILE_DIR']}/gw0.jsonl", "w") as f:
+            f.write('{"event": "pool_start", "seconds": 9.5, "world_size": 4, "device": "cuda"}\n')
+        assert out == str(tmp_path)
+        return subprocess.CompletedProcess(argv, 0, "ci/gpu.sh: 1 GPU(s) -> pytest -n 2; torch x\n", "")
+
+    monkeypatch.setattr(gpu.subprocess, "run", fake_gate)
+    monkeypatch.setattr(sys, "argv", ["gpu", str(tmp_path)])
+    gpu.main()
+    out = capsys.readouterr().out
+    assert "pool_start cuda" in out and "n=    1  total     9.5 s" in out, out
+    assert "test_one 40s" in out.split("slowest: ")[1] and "1 checks ran in" in out, out
