@@ -7,15 +7,18 @@ hang's timeout, on its pool's other ranks) counts seconds but burns no CPU; a ra
 processes whose time the worker's clock does not show. On a 2-core runner only the CPU-seconds say what a change
 saves. cpu_s is what the worker's process tree spent from the test's setup to its teardown: the worker, its live
 descendants (rank pools, child runs) and what they have reaped, read from Linux's /proc (the harness is
-Linux-only). ci/cpu.sh loads it for both jobs.
+Linux-only). Each such test also gets `worker` (its xdist worker) and `started` (epoch seconds at its setup), from
+which benchmarks/junit.py draws each worker's timeline. ci/cpu.sh loads it for both jobs, ci/gpu.sh for the gate.
 """
 import collections
 import os
+import time
 
 import pytest
 
 TICKS = os.sysconf("SC_CLK_TCK")
 START = pytest.StashKey[float]()
+STARTED = pytest.StashKey[float]()
 
 
 def _stat(pid: str) -> tuple[int, int]:
@@ -50,6 +53,7 @@ def tree_cpu(root: int | None = None) -> float:
 def pytest_runtest_setup(item):
     if not item.get_closest_marker("skip"):  # a skip (most of a CPU run's checks) runs nothing to measure
         item.stash[START] = tree_cpu()
+        item.stash[STARTED] = time.time()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -57,4 +61,7 @@ def pytest_runtest_makereport(item, call):
     # before the teardown report is made: JUnit XML writes the teardown report's user_properties
     if call.when == "teardown" and START in item.stash:
         item.user_properties.append(("cpu_s", round(tree_cpu() - item.stash[START], 2)))
+        # when and where it ran: benchmarks/junit.py's per-worker timeline (start-up, idle, the tail)
+        item.user_properties.append(("worker", os.environ.get("PYTEST_XDIST_WORKER", "main")))
+        item.user_properties.append(("started", round(item.stash[STARTED], 2)))
     yield

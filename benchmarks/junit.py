@@ -3,11 +3,13 @@
     python -m benchmarks.junit JUNIT.xml [JUNIT.xml ...]     e.g. ci-out/junit.xml ci-out/meta-junit.xml
 
 Prints, per file, the seconds its tests took summed over workers (what -n N divides), the share of the total,
-and the slowest tests. Where the run loaded benchmarks/cputime.py (ci/cpu.sh does), also the CPU-seconds per file
-and the tests that mostly waited. Last line: worker_seconds=<total>. ci/cpu.sh and ci/gpu.sh write the XML
-(--junitxml); benchmarks/gpu.py reads the GPU gate's through per_file().
+and the slowest tests. Where the run loaded benchmarks/cputime.py (ci/cpu.sh does), also the CPU-seconds per file,
+the tests that mostly waited, and each worker's timeline: when its first test started and its last one ended,
+counted from the session's start, and how busy it was in between. Last line: worker_seconds=<total>. ci/cpu.sh
+and ci/gpu.sh write the XML (--junitxml); benchmarks/gpu.py reads the GPU gate's through per_file().
 """
 import collections
+import datetime
 import sys
 import xml.etree.ElementTree as ET
 
@@ -36,6 +38,23 @@ def per_file(rows, column: int = 2) -> collections.Counter:
     return total
 
 
+def timeline(path: str) -> dict[str, tuple[int, float, float, float]]:
+    """worker -> (tests, first start, last end, busy seconds), in seconds from the session's start (the suite's
+    timestamp), from benchmarks/cputime.py's worker and started properties; {} where the run did not record them."""
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    origin = datetime.datetime.fromisoformat(suite.get("timestamp")).timestamp() if suite is not None and \
+        suite.get("timestamp") else None
+    runs = collections.defaultdict(list)
+    for case in root.iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if origin is not None and "worker" in props and "started" in props:
+            start = float(props["started"]) - origin
+            runs[props["worker"]].append((start, start + float(case.get("time", 0))))
+    return {w: (len(r), min(s for s, _ in r), max(e for _, e in r), sum(e - s for s, e in r))
+            for w, r in sorted(runs.items())}
+
+
 def main(argv=None) -> int:
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
@@ -52,6 +71,10 @@ def main(argv=None) -> int:
         waited = [(s, c, name) for _, name, s, _, c in rows if c is not None and s >= WAITED[0] and c < WAITED[1] * s]
         print(f"cpu_seconds={sum(cpu.values()):.0f}; mostly waiting: " + ("; ".join(
             f"{name.split('::', 1)[-1][:70]} {s:.0f}s/{c:.0f} cpu-s" for s, c, name in sorted(waited)[-8:]) or "none"))
+    for path in paths:
+        for worker, (n, first, last, busy) in timeline(path).items():
+            print(f"{worker}: {n} tests from {first:.0f} s to {last:.0f} s, busy {busy:.0f} s of those "
+                  f"{last - first:.0f} s")
     print("slowest: " + "; ".join(f"{name.split('::', 1)[-1][:70]} {s:.0f}s" for _, name, s, *_ in
                                    sorted(rows, key=lambda r: r[2])[-8:]))
     print(f"{sum(r[3] for r in rows)} checks ran, {len(rows)} collected")

@@ -105,3 +105,17 @@ def test_gpu_summarizes_a_gate_run(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "pool_start cuda" in out and "n=    1  total     9.5 s" in out, out
     assert "test_one 40s" in out.split("slowest: ")[1] and "1 checks ran in" in out, out
+
+
+def test_junit_draws_each_workers_timeline_from_the_session_start(tmp_path, capsys):
+    (tmp_path / "j.xml").write_text(
+        '<testsuites><testsuite timestamp="2026-12-07T04:00:00+00:00">'
+        '<testcase classname="tests.a.test_x" name="test_a" time="10.0"><properties>'
+        '<property name="worker" value="gw0"/><property name="started" value="1796616020.0"/></properties></testcase>'
+        '<testcase classname="tests.a.test_x" name="test_b" time="5.0"><properties>'
+        '<property name="worker" value="gw0"/><property name="started" value="1796616040.0"/></properties></testcase>'
+        '<testcase classname="tests.a.test_x" name="test_c" time="1.0"><skipped type="pytest.skip"/></testcase>'
+        '</testsuite></testsuites>')
+    assert junit.timeline(str(tmp_path / "j.xml")) == {"gw0": (2, 20.0, 45.0, 15.0)}
+    assert junit.main([str(tmp_path / "j.xml")]) == 0
+    assert "gw0: 2 tests from 20 s to 45 s, busy 15 s of those 25 s\n" in capsys.readouterr().out
