@@ -15,6 +15,7 @@ This module imports only the standard library: the fork imports it to run _main.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -56,21 +57,20 @@ def run(path: str, args: list[str], env: dict, cwd: str, timeout: float) -> subp
     return subprocess.CompletedProcess(argv, proc.exitcode, stdout, stderr)
 
 
-def _fresh_sys_path(pythonpath: str, _cache: dict = {}) -> list[str]:  # noqa: B006  one start-up per PYTHONPATH
+@functools.lru_cache(maxsize=None)  # one interpreter start per PYTHONPATH and process
+def _fresh_sys_path(pythonpath: str) -> tuple[str, ...]:
     """sys.path of `python -c` under this PYTHONPATH, without its leading '' (the working directory)."""
-    if pythonpath not in _cache:
-        import json
-        import tempfile
+    import json
+    import tempfile
 
-        env = dict(os.environ, PYTHONPATH=pythonpath)
-        with tempfile.TemporaryDirectory() as cwd:
-            got = subprocess.run([sys.executable, "-c", PROBE_SYS_PATH], cwd=cwd, env=env, capture_output=True,
-                                 text=True, check=True).stdout
-        _cache[pythonpath] = [p for p in json.loads(got) if p]
-    return _cache[pythonpath]
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    with tempfile.TemporaryDirectory() as cwd:
+        got = subprocess.run([sys.executable, "-c", PROBE_SYS_PATH], cwd=cwd, env=env, capture_output=True,
+                             text=True, check=True).stdout
+    return tuple(p for p in json.loads(got) if p)
 
 
-def _main(path: str, args: list[str], env: dict, cwd: str, out: str, err: str, sys_path: list[str]) -> None:
+def _main(path: str, args: list[str], env: dict, cwd: str, out: str, err: str, sys_path: tuple[str, ...]) -> None:
     """The fork's target: become `python path *args`."""
     import atexit
     import runpy
