@@ -43,12 +43,13 @@ def timeline(path: str) -> dict[str, tuple[int, float, float, float]]:
     timestamp), from benchmarks/cputime.py's worker and started properties; {} where the run did not record them."""
     root = ET.parse(path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
-    origin = datetime.datetime.fromisoformat(suite.get("timestamp")).timestamp() if suite is not None and \
-        suite.get("timestamp") else None
+    if suite is None or not suite.get("timestamp"):
+        return {}
+    origin = datetime.datetime.fromisoformat(suite.get("timestamp")).timestamp()
     runs = collections.defaultdict(list)
     for case in root.iter("testcase"):
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        if origin is not None and "worker" in props and "started" in props:
+        if "worker" in props and "started" in props:
             start = float(props["started"]) - origin
             runs[props["worker"]].append((start, start + float(case.get("time", 0))))
     return {w: (len(r), min(s for s, _ in r), max(e for _, e in r), sum(e - s for s, e in r))
