@@ -29,6 +29,9 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=3)
     ap.add_argument("--only", action="append", default=[], metavar="STEM")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.only) - set(standalone_files()))
+    if unknown:
+        sys.exit(f"--only: not a standalone file (tests/repro/standalone): {', '.join(unknown)}")
     stems = [s for s, shown in standalone_files().items() if shown[0].needs in ("", "dtensor")
              and (not args.only or s in args.only)]
     if not stems:
