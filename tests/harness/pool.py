@@ -25,7 +25,7 @@ from typing import Callable, Union
 
 from tests.harness.failures import RankDied, RankFailure, RankHung, RankRaised
 from tests.harness.rank_process import rank_main
-from tests.harness.task import Outcome, Ready, Stop, Task, rank_device, values
+from tests.harness.task import Outcome, Ready, Stop, Task, Waiting, rank_device, values
 
 PEER_GRACE_S = 5.0  # after one rank raised, the others get this long before their stacks are taken
 STARTUP_TIMEOUT_S = 180.0
@@ -95,7 +95,7 @@ class RankPool:
         for q in self.tasks:
             q.put(task)
         got = self._collect(lambda m: isinstance(m, Outcome) and m.task == task.id, timeout, offsets,
-                            late=f"hung (no answer within {timeout:g} s)")
+                            late=f"hung (no answer within {timeout:g} s)", task=task.id)
         return [got[r] for r in range(self.world_size)]
 
     def _check_still_aligned(self):
@@ -112,16 +112,21 @@ class RankPool:
         return tuple(os.path.getsize(log) if os.path.exists(log) else 0 for log in self.logs)
 
     def _collect(self, answers: Callable[[Answer], bool], timeout: float, offsets: tuple[int, ...],
-                 late: str) -> dict[int, Answer]:
+                 late: str, task: int | None = None) -> dict[int, Answer]:
         """Wait for every rank's answer (the messages `answers` accepts); raise on death, hang (`late` says
-        what that is) or a peer stuck after another rank's error."""
+        what that is), a peer stuck after another rank's error, or, for `task`, as soon as every rank that has
+        not answered waits in a collective that the ranks that did never issued (unmatched_collective)."""
         got: dict[int, Answer] = {}
+        waiting: dict[int, Waiting] = {}
         deadline = time.monotonic() + timeout
         first_error_at = None
         while len(got) < self.world_size:
             try:
                 message = self.results.get(timeout=0.05)
-                if answers(message):
+                if isinstance(message, Waiting):
+                    if message.task == task:
+                        waiting[message.rank] = message
+                elif answers(message):
                     got[message.rank] = message
                     if message.error is not None and first_error_at is None:
                         first_error_at = time.monotonic()
@@ -140,6 +145,17 @@ class RankPool:
                          for r, c in dead.items()}
                 raise RankDied("died", {r: f"{lines[r]}\n{stacks.pop(r, '')}" for r in dead},
                                {**stacks, **_errors(got)}, self.world_size)
+            finished = {r: getattr(m, "sequences", None) for r, m in got.items()}
+            unmatched = {r: w for r, m in waiting.items()
+                         if r not in got and (w := unmatched_collective(r, m.sequences, finished))}
+            if unmatched and len(unmatched) + len(got) == self.world_size:
+                stacks = self._stacks(got, offsets)
+                if _errors(got):
+                    raise RankRaised("raised (the other ranks were stuck after it)", _errors(got), stacks,
+                                     self.world_size)
+                raise RankHung("hung in a collective that no other rank issued: "
+                               + "; ".join(f"rank {r} waits in {w}" for r, w in unmatched.items()),
+                               stacks, {}, self.world_size)
             if first_error_at is not None and now > first_error_at + PEER_GRACE_S:
                 stacks = self._stacks(got, offsets)
                 raise RankRaised("raised (the other ranks were stuck after it)", _errors(got), stacks,
@@ -215,6 +231,24 @@ def stop_fork_server() -> None:
     stop = getattr(forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()
+
+
+def unmatched_collective(rank: int, waiting: dict, finished: dict[int, dict | None]) -> str | None:
+    """What `rank` waits for, if no other rank will ever join it; else None.
+
+    waiting: its group_sequences() while blocked inside torch.distributed ({group: (issued, ranks)}); finished:
+    those of the ranks that ended the task (None: unknown). A group whose other members all ended the task
+    having issued fewer collectives on it than `rank` never matches its last one: a rank issues none between
+    tasks, and the next task waits for this one. Each member must report the group under the same ranks (a
+    name made on one rank only is another group), else nothing is concluded and the timeout decides.
+    """
+    for name, (issued, ranks) in sorted(waiting.items()):
+        others = [r for r in ranks if r != rank]
+        theirs = [(finished.get(r) or {}).get(name) for r in others]
+        if others and all(t is not None and tuple(t[1]) == tuple(ranks) and t[0] < issued for t in theirs):
+            return (f"collective #{issued} of process group {name!r} (ranks {list(ranks)}), which rank(s) "
+                    f"{others} ended the task without (their last: #{max(t[0] for t in theirs)})")
+    return None
 
 
 def _errors(got: dict[int, Answer]) -> dict[int, str]:

@@ -82,14 +82,42 @@ class Outcome:
     """A rank -> the parent: how task `task` went on `rank`.
 
         value    the result, copied to the host and pickled (None unless it returned)
-        error    the traceback, when it raised (pytest.skip and pytest.fail included)
-        skipped  pytest.skip's reason, when that is what it raised
+        error      the traceback, when it raised (pytest.skip and pytest.fail included)
+        skipped    pytest.skip's reason, when that is what it raised
+        sequences  group_sequences() once the body ended: the collectives it issued, per group
     """
     task: int
     rank: int
     value: bytes | None = None
     error: str | None = None
     skipped: str | None = None
+    sequences: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiting:
+    """A pool rank -> the parent, while task `task` runs: the body has been blocked inside torch.distributed
+    for a while, with these group_sequences(). The parent compares them with what the finished ranks issued
+    (pool.unmatched_collective)."""
+    task: int
+    rank: int
+    sequences: dict
+
+
+def group_sequences() -> dict:
+    """{group name: (collectives issued on it, its global ranks)} for every process group this rank is in:
+    c10d's per-group sequence number, which a collective increments when it is issued. {} where this torch
+    does not say (the parent then waits for the task's timeout)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not dist.is_initialized():
+            return {}
+        return {name: (pg._get_sequence_number_for_group(), tuple(dist.get_process_group_ranks(pg)))
+                for pg, name in list(c10d._world.pg_names.items())}
+    except Exception:  # noqa: BLE001 - private API: without it, hangs are only found by the timeout
+        return {}
 
 
 def run_task(task: Task, rank: int) -> Outcome:
@@ -104,9 +132,10 @@ def run_task(task: Task, rank: int) -> Outcome:
         fn, args, kwargs = pickle.loads(task.payload)
         value = fn(*args, **kwargs)
         _synchronize()
-        return Outcome(task.id, rank, value=pickle.dumps(to_host(value)))
+        return Outcome(task.id, rank, value=pickle.dumps(to_host(value)), sequences=group_sequences())
     except BaseException as exc:  # noqa: B902 - everything is reported, pytest's outcomes included
-        return Outcome(task.id, rank, error=traceback.format_exc(), skipped=_skip_reason(exc))
+        return Outcome(task.id, rank, error=traceback.format_exc(), skipped=_skip_reason(exc),
+                       sequences=group_sequences())
 
 
 def values(outcomes: list[Outcome]) -> list:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import Harness, RankDied, RankHung, RankRaised, missing_requirement
-from tests.harness.pool import PEER_GRACE_S
+from tests.harness.pool import PEER_GRACE_S, unmatched_collective
 from tests.harness.task import Task, run_task
 from tests.meta.sessions.children import is_zombie
 
@@ -66,6 +66,20 @@ def _mismatched_collective():
 
 def _rank0_stuck_in_all_reduce():
     dist.all_reduce(torch.ones(1))
+
+
+def _rank0_sleeps():
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    return dist.get_rank()
+
+
+def _slow_peer(seconds):
+    if dist.get_rank() == 1:
+        time.sleep(seconds)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
 
 
 def _tiny_training(steps):
@@ -253,18 +267,53 @@ def test_rank_that_exits_fails_with_its_exit_code(harness):
     assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
 
 
-def test_hang_in_mismatched_collective_fails_within_timeout_and_next_case_passes(harness):
+def test_hang_in_mismatched_collective_fails_at_once_and_next_case_passes(harness):
+    """Rank 1 ended the task without the collective rank 0 waits in: that is a hang long before the timeout."""
     start = time.monotonic()
     with pytest.raises(RankHung) as info:
-        harness.run(_mismatched_collective, world_size=2, timeout=4)
+        harness.run(_mismatched_collective, world_size=2, timeout=60)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert "rank(s) [0] of world_size 2 hung in a collective that no other rank issued: rank 0 waits in " \
+           "collective #" in text and "which rank(s) [1] ended the task without" in text
+    assert "_rank0_stuck_in_all_reduce" in text  # where it hung, from faulthandler
+    assert elapsed < 30, f"took {elapsed:.1f} s: waited for the timeout"
+    assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
+
+
+def test_hang_outside_a_collective_fails_within_timeout_and_next_case_passes(harness):
+    start = time.monotonic()
+    with pytest.raises(RankHung) as info:
+        harness.run(_rank0_sleeps, world_size=2, timeout=4)
     elapsed = time.monotonic() - start
     text = str(info.value)
     assert "hung (no answer within 4 s)" in text and "rank(s) [0]" in text
-    assert "_rank0_stuck_in_all_reduce" in text  # where it hung, from faulthandler
+    assert "_rank0_sleeps" in text  # where it hung, from faulthandler
     assert elapsed < 4 + 10
     assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
 
 
+def test_a_rank_waiting_for_a_slow_peer_in_a_collective_is_not_a_hang(harness):
+    """Rank 0 sits in the all_reduce while rank 1 is still busy: rank 1 has not ended the task, so it may yet
+    join (it does), and the task passes."""
+    assert harness.run(_slow_peer, 1.5, world_size=2, timeout=60) == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("waiting, finished, concluded", [
+    ({"0": (5, (0, 1))}, {1: {"0": (4, (0, 1))}}, True),  # rank 1 ended one collective short
+    ({"0": (5, (0, 1))}, {1: {"0": (5, (0, 1))}}, False),  # it issued this one too: it may still be running
+    ({"0": (5, (0, 1))}, {}, False),  # rank 1 has not ended the task
+    ({"0": (5, (0, 1))}, {1: None}, False),  # rank 1 said nothing of its groups
+    ({"0": (5, (0, 1))}, {1: {}}, False),
+    ({"3": (2, (0, 1))}, {1: {"3": (1, (1, 2))}}, False),  # the same name for another group
+    ({"0": (5, (0, 1, 2))}, {1: {"0": (4, (0, 1, 2))}}, False),  # rank 2 may still join
+    ({"0": (5, (0, 1, 2))}, {1: {"0": (4, (0, 1, 2))}, 2: {"0": (4, (0, 1, 2))}}, True),
+    ({"2": (1, (0,))}, {1: {"0": (4, (0, 1))}}, False),  # a group of rank 0 alone waits for nobody
+    ({"0": (4, (0, 1)), "1": (2, (0, 1))}, {1: {"0": (4, (0, 1)), "1": (1, (0, 1))}}, True),  # a subgroup's
+])
+def test_a_collective_is_unmatched_only_once_every_other_member_ended_without_it(waiting, finished, concluded):
+    said = unmatched_collective(0, waiting, finished)
+    assert (said is not None) is concluded, said
 # ---------------------------------------------------------------- pytest.skip on the ranks, and the one task runner
 
 def test_a_skip_on_one_rank_fails_with_its_reason(harness):
