@@ -17,8 +17,20 @@ pytestmark = [pytest.mark.harness, pytest.mark.slow]
 PROBE = textwrap.dedent('''
     import atexit, importlib.util, json, multiprocessing, os, sys
 
+    if __name__ == "__mp_main__":  # imported by the spawned child, and by the fork server before it forks
+        with open(os.path.join(os.environ["FORKED_PROBE_DIR"], "mp-main"), "a") as f:
+            f.write(json.dumps([os.getcwd(), sys.path]) + "\\n")
+
     def child():
         sys.exit(5)
+
+    def server_child():  # what a rank started the way CUDA repros start theirs sees
+        print(json.dumps({"server child": [os.environ.get("FORKED_PROBE"), os.environ.get("FORKED_PROBE_LATE"),
+                                           os.getcwd(), sys.path, sys.modules["__main__"].__name__],
+                          "its open fds": len(os.listdir("/proc/self/fd"))}), flush=True)
+        with open(os.path.join(os.environ["FORKED_PROBE_DIR"], "server-child"), "w") as f:
+            f.write(" ".join(sorted(m for m in sys.modules if m == "torch")))  # imported: no fresh interpreter
+        sys.exit(6)
 
     if __name__ == "__main__":
         atexit.register(print, "atexit ran")
@@ -26,11 +38,15 @@ PROBE = textwrap.dedent('''
         p = ctx.Process(target=child)
         p.start()
         p.join()
+        os.environ["FORKED_PROBE_LATE"] = "set before the fork server started"
+        q = multiprocessing.get_context("forkserver").Process(target=server_child)
+        q.start()
+        q.join()
         print(json.dumps({
             "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "file": __file__,
             "env": os.environ.get("FORKED_PROBE"), "repo importable": importlib.util.find_spec("tests") is not None,
             "repo imported": sorted(m for m in sys.modules if m == "tests" or m.startswith(("tests.", "scaler_impl"))),
-            "spawned child's status": p.exitcode}, indent=0))
+            "spawned child's status": p.exitcode, "fork server child's status": q.exitcode}, indent=0))
         print("to stderr", file=sys.stderr)
         if sys.argv[1:] == ["--raise"]:
             raise ValueError("the probe raised")
@@ -44,16 +60,22 @@ def probe(tmp_path):
     path = tmp_path / "probe" / "probe.py"
     path.write_text(PROBE, encoding="utf-8")
     (tmp_path / "cwd").mkdir()
-    env = dict(os.environ, FORKED_PROBE="set", PYTHONPATH="")
+    env = dict(os.environ, FORKED_PROBE="set", PYTHONPATH="", FORKED_PROBE_DIR=str(tmp_path))
     return str(path), env, str(tmp_path / "cwd")
 
 
 @pytest.mark.parametrize("args", [["3"], ["--raise"]])
 def test_a_forked_run_sees_and_does_what_a_fresh_one_does(probe, args):
     path, env, cwd = probe
+    server_child, mp_main = (os.path.join(env["FORKED_PROBE_DIR"], name) for name in ("server-child", "mp-main"))
     fresh = subprocess.run([sys.executable, path, *args], cwd=cwd, env=env, capture_output=True, text=True,
                            timeout=120)
+    assert open(server_child).read() == ""
+    fresh_imports = open(mp_main).read()
+    os.remove(mp_main)
     fork = forked.run(path, args, env, cwd, timeout=120)
+    assert open(server_child).read() == "torch", "the file's fork server was a fresh interpreter, not the zygote"
+    assert open(mp_main).read() == fresh_imports  # where the child and the server imported the file from
     assert fork.returncode == fresh.returncode, (fork.stderr, fresh.stderr)
     assert fork.stdout == fresh.stdout
     assert fork.stderr.strip().splitlines()[-1] == fresh.stderr.strip().splitlines()[-1]
