@@ -43,6 +43,12 @@ HARNESS = pytest.StashKey[tuple]()  # config.stash: (the session's harness, the 
 
 def pytest_configure(config):
     options.check_configuration(config)
+    if config.getoption("--require-gpu"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.exit(f"--require-gpu: torch {torch.__version__} sees no GPU (a CPU build, no driver, or "
+                        f"CUDA_VISIBLE_DEVICES hides them); without one use ci/cpu.sh", returncode=2)
     timeout = config.getoption("--rank-timeout")
     if not timeout > 0:
         raise pytest.UsageError(f"--rank-timeout {timeout}: must be a positive number of seconds")

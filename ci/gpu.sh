@@ -21,16 +21,16 @@ if [ -n "$MISSING" ]; then
   exit 2
 fi
 # the GPU count, the CUDA contexts the rank pools may keep on one GPU across workers, and the workers that fit
-# (tests/harness/budget.py context_budget, gate_workers), from one Python start-up (importing torch takes seconds)
+# (tests/harness/budget.py visible_gpus, context_budget, gate_workers), from nvidia-smi: importing torch here would
+# cost seconds before pytest imports it again; pytest's --require-gpu then stops at start-up if torch sees no GPU
 read -r GPUS CONTEXTS WORKERS TORCH < <(python3 -c "
-import os, torch
-n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-if n:
-    from tests.harness.budget import context_budget, gate_workers
+import importlib.metadata, os
+from tests.harness.budget import context_budget, gate_workers, visible_gpus
+n = visible_gpus()
 print(n, context_budget(0) if n else 0, gate_workers(len(os.sched_getaffinity(0)), context_budget(0)) if n else 0,
-      torch.__version__)") || { echo "ci/gpu.sh: python3 cannot import torch" >&2; exit 2; }
+      importlib.metadata.version('torch'))") || { echo "ci/gpu.sh: python3 cannot size the gate" >&2; exit 2; }
 if [ "${GPUS:-0}" -eq 0 ]; then
-  echo "ci/gpu.sh: torch sees no GPU; use ci/cpu.sh" >&2
+  echo "ci/gpu.sh: nvidia-smi sees no GPU (or CUDA_VISIBLE_DEVICES hides them); use ci/cpu.sh" >&2
   exit 2
 fi
 CORES=$(nproc)
@@ -51,4 +51,4 @@ fi
 # the standalone repros' runs are recorded for docs/upstream/runs.json (python -m tests.upstream.reports --merge)
 FSDP_AMP_STANDALONE_RECORD="$OUT/standalone-runs" \
 python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/conformance tests/matrix tests/repro tests/upstream \
-  -p benchmarks.cputime --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"
+  --require-gpu -p benchmarks.cputime --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"

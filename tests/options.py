@@ -51,6 +51,9 @@ def pytest_addoption(parser):
     group.addoption("--rank-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                     help="seconds a multi-rank case may run before its ranks' stacks are dumped and it fails "
                          "(default %(default)s)")
+    group.addoption("--require-gpu", action="store_true",
+                    help="stop at start-up with exit status 2 unless torch sees a GPU (ci/gpu.sh passes it: a CPU "
+                         "build of torch on a GPU runner would otherwise skip every GPU check and pass)")
     group.addoption("--only-pairs", metavar="PATH", default=None,
                     help="run each --scaler only on the checks a JSON file names for it, {spec: [test function, "
                          "...] or \"*\"}; the rest are deselected (the suite's own mutant runs use it)")

@@ -48,6 +48,32 @@ def worker_gpus() -> list[int]:
     return [(index + g) % n for g in range(n)]
 
 
+def visible_gpus() -> int:
+    """The GPUs a CUDA process here may use, without importing torch or making a CUDA context (ci/gpu.sh sizes
+    the gate with it before pytest starts; importing torch for that cost seconds): nvidia-smi's count, narrowed
+    by CUDA_VISIBLE_DEVICES (narrowed_gpus); 0 where nvidia-smi does not answer."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return narrowed_gpus(len(out.split()), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def narrowed_gpus(present: int, visible: str | None) -> int:
+    """How many of `present` GPUs CUDA_VISIBLE_DEVICES=`visible` leaves: unset, all; else its entries up to the
+    first that names no GPU (CUDA ignores the rest: "-1" hides every GPU), indices or UUIDs."""
+    if visible is None:
+        return present
+    count = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or (entry.lstrip("-").isdigit() and not 0 <= int(entry) < present):
+            break
+        count += 1
+    return min(count, present)
+
+
 def gpu_memory_mib(gpu: int, field: str) -> float:
     """One GPU's memory.<field> (total, used, ...) in MiB from nvidia-smi: no CUDA context is made for asking."""
     out = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits", "-i",

@@ -199,6 +199,20 @@ def test_the_gate_sizes_its_workers_by_cores_and_context_budget(cores, contexts,
     assert budget.gate_workers(cores, contexts) == workers
 
 
+@pytest.mark.parametrize("present, visible, gpus", [
+    (8, None, 8),  # unset: every GPU
+    (8, "", 0),
+    (8, "0,3", 2),
+    (8, "-1", 0),  # the usual way to hide them all
+    (8, "1,-1,2", 1),  # CUDA ignores the entries after the first that names no GPU
+    (2, "0,1,5", 2),
+    (2, "GPU-8c4f1a2b,GPU-11aa", 2),  # UUIDs
+    (0, "0", 0),
+])
+def test_the_gate_counts_the_gpus_cuda_visible_devices_leaves(present, visible, gpus):
+    assert budget.narrowed_gpus(present, visible) == gpus
+
+
 def test_gate_workers_refuses_a_machine_with_nothing():
     with pytest.raises(ValueError, match="gate_workers\\(cores=0, contexts=42\\): both must be at least 1"):
         budget.gate_workers(0, 42)

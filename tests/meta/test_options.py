@@ -42,6 +42,20 @@ def test_a_bad_option_is_a_usage_error_naming_it(pytester, monkeypatch, args, me
     assert message in stderr and "INTERNALERROR" not in stderr, stderr[-2000:]
 
 
+@CHILD_USAGE_ERROR
+def test_require_gpu_stops_a_run_where_torch_sees_no_gpu(pytester, monkeypatch):
+    """ci/gpu.sh sizes the gate from nvidia-smi, so a CPU build of torch on a GPU runner gets this far."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: --require-gpu lets the run go on")
+    result = runpytest(pytester, monkeypatch, os.path.join(ROOT, "tests/matrix/test_axes.py"), "-p", "no:xdist",
+                       "--co", "-q", "--require-gpu", timeout=120)
+    assert result.ret == 2, result.outlines[-20:] + result.errlines[-20:]
+    said = "\n".join(result.outlines + result.errlines)
+    assert f"--require-gpu: torch {torch.__version__} sees no GPU" in said and "use ci/cpu.sh" in said, said
+
+
 def test_a_scaler_factory_returning_a_non_scaler_is_named():
     with pytest.raises(TypeError, match=r"scaler 'builtins:dict': its factory returned an object of type dict, "
                                         r"which lacks scale, "):
