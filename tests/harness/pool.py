@@ -25,7 +25,7 @@ from typing import Callable, Union
 
 from tests.harness.failures import RankDied, RankFailure, RankHung, RankRaised
 from tests.harness.rank_process import rank_main
-from tests.harness.task import Outcome, Ready, Stop, Task, Waiting, rank_device, values
+from tests.harness.task import Issued, Outcome, Ready, Stop, Task, rank_device, values
 
 PEER_GRACE_S = 5.0  # after one rank raised, the others get this long before their stacks are taken
 STARTUP_TIMEOUT_S = 180.0
@@ -115,17 +115,17 @@ class RankPool:
                  late: str, task: int | None = None) -> dict[int, Answer]:
         """Wait for every rank's answer (the messages `answers` accepts); raise on death, hang (`late` says
         what that is), a peer stuck after another rank's error, or, for `task`, as soon as every rank that has
-        not answered waits in a collective that the ranks that did never issued (unmatched_collective)."""
+        not answered has issued a collective that the ranks that did never issued (unmatched_collective)."""
         got: dict[int, Answer] = {}
-        waiting: dict[int, Waiting] = {}
+        issued: dict[int, Issued] = {}
         deadline = time.monotonic() + timeout
         first_error_at = None
         while len(got) < self.world_size:
             try:
                 message = self.results.get(timeout=0.05)
-                if isinstance(message, Waiting):
+                if isinstance(message, Issued):
                     if message.task == task:
-                        waiting[message.rank] = message
+                        issued[message.rank] = message
                 elif answers(message):
                     got[message.rank] = message
                     if message.error is not None and first_error_at is None:
@@ -146,7 +146,7 @@ class RankPool:
                 raise RankDied("died", {r: f"{lines[r]}\n{stacks.pop(r, '')}" for r in dead},
                                {**stacks, **_errors(got)}, self.world_size)
             finished = {r: getattr(m, "sequences", None) for r, m in got.items()}
-            unmatched = {r: w for r, m in waiting.items()
+            unmatched = {r: w for r, m in issued.items()
                          if r not in got and (w := unmatched_collective(r, m.sequences, finished))}
             if unmatched and len(unmatched) + len(got) == self.world_size:
                 stacks = self._stacks(got, offsets)
@@ -154,7 +154,7 @@ class RankPool:
                     raise RankRaised("raised (the other ranks were stuck after it)", _errors(got), stacks,
                                      self.world_size)
                 raise RankHung("hung in a collective that no other rank issued: "
-                               + "; ".join(f"rank {r} waits in {w}" for r, w in unmatched.items()),
+                               + "; ".join(f"rank {r} waits for {w}" for r, w in unmatched.items()),
                                stacks, {}, self.world_size)
             if first_error_at is not None and now > first_error_at + PEER_GRACE_S:
                 stacks = self._stacks(got, offsets)
@@ -233,20 +233,20 @@ def stop_fork_server() -> None:
         stop()
 
 
-def unmatched_collective(rank: int, waiting: dict, finished: dict[int, dict | None]) -> str | None:
-    """What `rank` waits for, if no other rank will ever join it; else None.
+def unmatched_collective(rank: int, issued: dict, finished: dict[int, dict | None]) -> str | None:
+    """The collective `rank` issued that no other rank will ever join, if any; else None.
 
-    waiting: its group_sequences() while blocked inside torch.distributed ({group: (issued, ranks)}); finished:
-    those of the ranks that ended the task (None: unknown). A group whose other members all ended the task
-    having issued fewer collectives on it than `rank` never matches its last one: a rank issues none between
-    tasks, and the next task waits for this one. Each member must report the group under the same ranks (a
-    name made on one rank only is another group), else nothing is concluded and the timeout decides.
+    issued: its group_sequences() during the task ({group: (collectives issued, ranks)}); finished: those of
+    the ranks that ended the task (None: unknown). A group whose other members all ended the task having issued
+    fewer collectives on it than `rank` never matches its last one: a rank issues none between tasks, and the
+    next task waits for this one. Each member must report the group under the same ranks (a name made on one
+    rank only is another group), else nothing is concluded and the timeout decides.
     """
-    for name, (issued, ranks) in sorted(waiting.items()):
+    for name, (count, ranks) in sorted(issued.items()):
         others = [r for r in ranks if r != rank]
         theirs = [(finished.get(r) or {}).get(name) for r in others]
-        if others and all(t is not None and tuple(t[1]) == tuple(ranks) and t[0] < issued for t in theirs):
-            return (f"collective #{issued} of process group {name!r} (ranks {list(ranks)}), which rank(s) "
+        if others and all(t is not None and tuple(t[1]) == tuple(ranks) and t[0] < count for t in theirs):
+            return (f"collective #{count} of process group {name!r} (ranks {list(ranks)}), which rank(s) "
                     f"{others} ended the task without (their last: #{max(t[0] for t in theirs)})")
     return None
 

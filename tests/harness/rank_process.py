@@ -18,9 +18,9 @@ import sys
 import threading
 import time
 
-from tests.harness.task import Ready, Task, Waiting, group_sequences, run_task, set_rank_device
+from tests.harness.task import Issued, Ready, Task, group_sequences, run_task, set_rank_device
 
-WATCH_S = 0.2  # how often a rank looks at where its task is; blocked for two looks in a row: tell the parent
+WATCH_S = 0.2  # how often a rank looks at the collectives its task has issued
 
 
 def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[int], store_path: str,
@@ -66,7 +66,7 @@ def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[
                             timeout=datetime.timedelta(hours=1))  # the parent times tasks out, not the PG
     _clean_up()
     running = [None]  # the id of the task the main thread runs, for the watcher
-    threading.Thread(target=_watch_collectives, args=(rank, results, threading.get_ident(), running),
+    threading.Thread(target=_watch_collectives, args=(rank, results, running),
                      daemon=True, name="collective-watcher").start()
     results.put(Ready(rank))
     while isinstance(task := tasks.get(), Task):
@@ -108,26 +108,23 @@ def _die_with_owner(owner_pid: int) -> None:
         os._exit(3)
 
 
-def _watch_collectives(rank: int, results, main: int, running: list) -> None:
-    """Tell the parent when the task's body has been blocked inside torch.distributed (a collective, a group's
-    creation) for two looks in a row, with this rank's group_sequences(): the parent can then see a collective
-    that the finished ranks never issued, and fail the task at once instead of at its timeout. Once per
-    (task, sequences): a body blocked for long sends one message."""
-    sent = seen = None
+def _watch_collectives(rank: int, results, running: list) -> None:
+    """While a task runs, tell the parent the collectives this rank has issued (group_sequences()) whenever they
+    change: the parent can then see one that the ranks which ended the task never issued, and fail the task at
+    once instead of at its timeout, wherever the body waits for it (in torch.distributed, in a library's
+    work.wait(), in a CUDA sync)."""
+    sent = None
     while True:
         time.sleep(WATCH_S)
-        task, frame = running[0], sys._current_frames().get(main)
-        here = (task, id(frame), frame.f_lasti) if (
-            task is not None and frame is not None and _DISTRIBUTED in frame.f_code.co_filename) else None
-        if here is not None and here == seen:
-            message = Waiting(task, rank, group_sequences())
-            if message.sequences and message != sent:
-                results.put(message)
-                sent = message
-        seen, frame = here, None
+        task = running[0]
+        if task is None:
+            continue
+        message = Issued(task, rank, group_sequences())
+        if message.sequences and message != sent:
+            results.put(message)
+            sent = message
 
 
-_DISTRIBUTED = os.path.join("torch", "distributed", "")
 _tasks_done = itertools.count(1)
 
 

@@ -95,10 +95,10 @@ class Outcome:
 
 
 @dataclasses.dataclass(frozen=True)
-class Waiting:
-    """A pool rank -> the parent, while task `task` runs: the body has been blocked inside torch.distributed
-    for a while, with these group_sequences(). The parent compares them with what the finished ranks issued
-    (pool.unmatched_collective)."""
+class Issued:
+    """A pool rank -> the parent, while task `task` runs: the collectives its body has issued so far
+    (group_sequences()), sent when they change. The parent compares them with what the ranks that ended the
+    task issued (pool.unmatched_collective)."""
     task: int
     rank: int
     sequences: dict

@@ -68,6 +68,17 @@ def _rank0_stuck_in_all_reduce():
     dist.all_reduce(torch.ones(1))
 
 
+def _rank0_waits_for_async_all_reduce():
+    if dist.get_rank() == 0:
+        _rank0_waits_in_its_own_code(dist.all_reduce(torch.ones(1), async_op=True))
+    return dist.get_rank()
+
+
+def _rank0_waits_in_its_own_code(work):
+    while not work.is_completed():
+        time.sleep(0.01)
+
+
 def _rank0_sleeps():
     if dist.get_rank() == 0:
         time.sleep(600)
@@ -274,11 +285,22 @@ def test_hang_in_mismatched_collective_fails_at_once_and_next_case_passes(harnes
         harness.run(_mismatched_collective, world_size=2, timeout=60)
     elapsed = time.monotonic() - start
     text = str(info.value)
-    assert "rank(s) [0] of world_size 2 hung in a collective that no other rank issued: rank 0 waits in " \
+    assert "rank(s) [0] of world_size 2 hung in a collective that no other rank issued: rank 0 waits for " \
            "collective #" in text and "which rank(s) [1] ended the task without" in text
     assert "_rank0_stuck_in_all_reduce" in text  # where it hung, from faulthandler
     assert elapsed < 30, f"took {elapsed:.1f} s: waited for the timeout"
     assert [o["rank"] for o in harness.run(_identity, "after", world_size=2)] == [0, 1]
+
+
+def test_an_unmatched_collective_waited_for_outside_torch_distributed_fails_at_once(harness):
+    """Libraries wait for async work in their own code (fairscale's scaler: work.wait()): the issued collective
+    is what counts, not where the body waits."""
+    start = time.monotonic()
+    with pytest.raises(RankHung) as info:
+        harness.run(_rank0_waits_for_async_all_reduce, world_size=2, timeout=60)
+    elapsed = time.monotonic() - start
+    assert "rank 0 waits for collective #" in str(info.value) and "_rank0_waits_in_its_own_code" in str(info.value)
+    assert elapsed < 30, f"took {elapsed:.1f} s: waited for the timeout"
 
 
 def test_hang_outside_a_collective_fails_within_timeout_and_next_case_passes(harness):
