@@ -35,12 +35,15 @@ if [ "${GPUS:-0}" -eq 0 ]; then
 fi
 CORES=$(nproc)
 echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> pytest -n $WORKERS; torch $TORCH"
-# GPU memory in use, once a second (tests/harness/budget.py CONTEXT_GIB is derived from the gate's peak)
+# GPU memory in use, once a second (tests/harness/budget.py CONTEXT_GIB is derived from the gate's peak), and
+# which processes hold it, every 5 s (benchmarks/gpu_processes.py)
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -l 1 \
     > "$OUT/gpu-memory.csv" 2>/dev/null &
-  SAMPLER=$!
-  trap 'kill "$SAMPLER" 2>/dev/null || true' EXIT
+  SAMPLERS="$!"
+  python3 -m benchmarks.gpu_processes "$OUT/gpu-processes.csv" 5 2>/dev/null &
+  SAMPLERS="$SAMPLERS $!"
+  trap 'kill $SAMPLERS 2>/dev/null || true' EXIT
 fi
 # the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
 # the slow meta-tests (planted defects, adoption, torchrun, the child runs in test_options and

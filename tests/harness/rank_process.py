@@ -30,6 +30,7 @@ def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[
     `environ` is the owner's (the pool's process) at the rank's start: the fork server's is older (multiprocessing
     itself brings the working directory)."""
     _die_with_owner(owner_pid)
+    _name_process(f"rank{rank}of{world_size}:{device}")
     os.environ.clear()
     os.environ.update(environ)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -80,6 +81,15 @@ def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: gloo+FSDP ranks can abort in it
+
+
+def _name_process(name: str) -> None:
+    """The name ps, top and benchmarks/gpu_processes.py show (/proc/PID/comm, 15 bytes): a fork keeps its
+    server's, which says nothing of the pool."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
 
 
 def _die_with_owner(owner_pid: int) -> None:

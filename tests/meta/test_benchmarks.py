@@ -1,6 +1,7 @@
 """The benchmarks measure what they say: benchmarks/cputime.py counts the CPU of a test's process tree (its
 reaped children and its live ones, as a rank pool is) and not its waiting, and benchmarks/junit.py sums it per file
 and names the tests that mostly waited."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -119,3 +120,21 @@ def test_junit_draws_each_workers_timeline_from_the_session_start(tmp_path, caps
     assert junit.timeline(str(tmp_path / "j.xml")) == {"gw0": (2, 20.0, 45.0, 15.0)}
     assert junit.main([str(tmp_path / "j.xml")]) == 0
     assert "gw0: 2 tests from 20 s to 45 s, busy 15 s of those 25 s\n" in capsys.readouterr().out
+
+
+def test_gpu_processes_names_each_process_nvidia_smi_lists():
+    """benchmarks/gpu_processes.py (ci/gpu.sh samples it): whose memory, from /proc; a process that ended in
+    between gets empty fields, not an error that would end the sampling."""
+    from benchmarks import gpu_processes
+
+    ended = 2**22 + 7  # above Linux's pid_max default: no such process
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        rows = gpu_processes.rows(f"{child.pid}, 812\n{ended}, 500\nNo running processes found\n", now=12.34)
+    finally:
+        child.kill()
+        child.wait()
+    assert rows[0] == dict(time=12.3, pid=str(child.pid), ppid=str(os.getpid()), mib="812", name="sleep",
+                           command="sleep 30")
+    assert rows[1] == dict(time=12.3, pid=str(ended), ppid="", mib="500", name="", command="")
+    assert len(rows) == 2

@@ -233,6 +233,16 @@ def test_a_new_pool_takes_the_environment_and_directory_of_its_start(harness, mo
 
 # ---------------------------------------------------------------- faults
 
+def _process_name():
+    with open("/proc/self/comm") as f:
+        return f.read().strip()
+
+
+def test_a_rank_names_its_process_by_its_pool(harness):
+    """ps and benchmarks/gpu_processes.py tell a pool rank from the other processes by this name."""
+    assert harness.run(_process_name, world_size=2) == ["rank0of2:cpu", "rank1of2:cpu"]
+
+
 def test_exception_on_rank_1_only_fails_with_that_traceback(harness):
     with pytest.raises(RankRaised) as info:
         harness.run(_raise_on, 1, world_size=2)
