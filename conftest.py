@@ -56,6 +56,8 @@ def pytest_configure(config):
     # needs other settings builds a Harness of its own (tests/meta/test_harness.py)
     harness = ranks.Harness(isolate=config.getoption("--isolate-ranks"), timeout=timeout)
     config.stash[HARNESS] = (harness, ranks.install(harness))
+    if hasattr(config, "workerinput"):  # an xdist worker: its ranks' fork server imports torch while it collects
+        ranks.start_fork_server()
     # a bad --scaler or --fsdp is a clear usage error at start-up, not 300 failures
     specs = ([(resolve, s) for s in scaler_specs(config)]
              + [(implementations.resolve, s) for s in config.getoption("--fsdp")])

@@ -222,6 +222,15 @@ class RankPool:
         self.slots = []
 
 
+def start_fork_server() -> None:
+    """Start this process's fork server now, in the background: it imports PRELOAD (seconds) while the caller goes
+    on (an xdist worker collects its tests), instead of when the first pool starts. multiprocessing starts it on
+    first use otherwise; this only moves the start earlier."""
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
 def stop_fork_server() -> None:
     """Stop this process's fork server and reap it (at exit, after the pools). Left to notice its owner's exit,
     it would end as an orphan that nobody reaps, and the CPU of the ranks it reaped would be counted nowhere
