@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -130,6 +131,9 @@ def test_gpu_processes_names_each_process_nvidia_smi_lists():
     ended = 2**22 + 7  # above Linux's pid_max default: no such process
     child = subprocess.Popen(["sleep", "30"])
     try:
+        deadline = time.monotonic() + 30
+        while _cmdline(child.pid) != "sleep\0" + "30\0" and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the child has exec'd: before, /proc shows its parent's command line, or none
         rows = gpu_processes.rows(f"{child.pid}, 812\n{ended}, 500\nNo running processes found\n", now=12.34)
     finally:
         child.kill()
@@ -138,3 +142,8 @@ def test_gpu_processes_names_each_process_nvidia_smi_lists():
                            command="sleep 30")
     assert rows[1] == dict(time=12.3, pid=str(ended), ppid="", mib="500", name="", command="")
     assert len(rows) == 2
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read()
