@@ -23,7 +23,8 @@ def rows(apps: str, now: float) -> list[dict]:
         if not pid.strip().isdigit():
             continue
         pid = pid.strip()
-        out.append(dict(time=round(now, 1), pid=pid, ppid=_read(f"/proc/{pid}/stat", lambda s: s.rsplit(")", 1)[1].split()[1]),
+        out.append(dict(time=round(now, 1), pid=pid,
+                        ppid=_read(f"/proc/{pid}/stat", lambda s: s.rsplit(")", 1)[1].split()[1]),
                         mib=mib.strip(), name=_read(f"/proc/{pid}/comm", str.strip),
                         command=_read(f"/proc/{pid}/cmdline", lambda s: s.replace("\0", " ").strip()[:120])))
     return out
@@ -45,8 +46,8 @@ def main():
         writer = csv.DictWriter(f, FIELDS)
         writer.writeheader()
         while True:
-            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True).stdout
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
             writer.writerows(rows(apps, time.time()))
             f.flush()
             time.sleep(every)

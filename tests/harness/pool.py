@@ -148,18 +148,15 @@ class RankPool:
             finished = {r: getattr(m, "sequences", None) for r, m in got.items()}
             unmatched = {r: w for r, m in issued.items()
                          if r not in got and (w := unmatched_collective(r, m.sequences, finished))}
-            if unmatched and len(unmatched) + len(got) == self.world_size:
-                stacks = self._stacks(got, offsets)
-                if _errors(got):
-                    raise RankRaised("raised (the other ranks were stuck after it)", _errors(got), stacks,
-                                     self.world_size)
-                raise RankHung("hung in a collective that no other rank issued: "
-                               + "; ".join(f"rank {r} waits for {w}" for r, w in unmatched.items()),
-                               stacks, {}, self.world_size)
-            if first_error_at is not None and now > first_error_at + PEER_GRACE_S:
+            stuck = bool(unmatched) and len(unmatched) + len(got) == self.world_size  # no rank left can answer
+            if first_error_at is not None and (stuck or now > first_error_at + PEER_GRACE_S):
                 stacks = self._stacks(got, offsets)
                 raise RankRaised("raised (the other ranks were stuck after it)", _errors(got), stacks,
                                  self.world_size)
+            if stuck:
+                raise RankHung("hung in a collective that no other rank issued: "
+                               + "; ".join(f"rank {r} waits for {w}" for r, w in unmatched.items()),
+                               self._stacks(got, offsets), {}, self.world_size)
             if now > deadline:
                 raise RankHung(late, self._stacks(got, offsets), _errors(got), self.world_size)
         return got

@@ -81,7 +81,7 @@ class Ready:
 class Outcome:
     """A rank -> the parent: how task `task` went on `rank`.
 
-        value    the result, copied to the host and pickled (None unless it returned)
+        value      the result, copied to the host and pickled (None unless it returned)
         error      the traceback, when it raised (pytest.skip and pytest.fail included)
         skipped    pytest.skip's reason, when that is what it raised
         sequences  group_sequences() once the body ended: the collectives it issued, per group

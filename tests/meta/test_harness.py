@@ -257,12 +257,16 @@ def test_exception_on_rank_1_only_fails_with_that_traceback(harness):
     assert len(pids) == 2  # the pool still works
 
 
-def test_exception_while_peer_waits_in_collective_fails_fast_with_both_stories(harness):
+def _timed_failure(harness, failure, body, timeout):
+    """The text of the `failure` that running `body` on 2 ranks raises, and how long that took."""
     start = time.monotonic()
-    with pytest.raises(RankRaised) as info:
-        harness.run(_raise_while_peer_waits, world_size=2, timeout=120)
-    elapsed = time.monotonic() - start
-    text = str(info.value)
+    with pytest.raises(failure) as info:
+        harness.run(body, world_size=2, timeout=timeout)
+    return str(info.value), time.monotonic() - start
+
+
+def test_exception_while_peer_waits_in_collective_fails_fast_with_both_stories(harness):
+    text, elapsed = _timed_failure(harness, RankRaised, _raise_while_peer_waits, timeout=120)
     assert "rank 1 gave up before the collective" in text
     assert "_peer_waits_in_all_reduce" in text  # rank 0's faulthandler stack
     assert elapsed < PEER_GRACE_S + 10, f"took {elapsed:.1f} s: should not wait for the task timeout"
@@ -290,11 +294,7 @@ def test_rank_that_exits_fails_with_its_exit_code(harness):
 
 def test_hang_in_mismatched_collective_fails_at_once_and_next_case_passes(harness):
     """Rank 1 ended the task without the collective rank 0 waits in: that is a hang long before the timeout."""
-    start = time.monotonic()
-    with pytest.raises(RankHung) as info:
-        harness.run(_mismatched_collective, world_size=2, timeout=60)
-    elapsed = time.monotonic() - start
-    text = str(info.value)
+    text, elapsed = _timed_failure(harness, RankHung, _mismatched_collective, timeout=60)
     assert "rank(s) [0] of world_size 2 hung in a collective that no other rank issued: rank 0 waits for " \
            "collective #" in text and "which rank(s) [1] ended the task without" in text
     assert "_rank0_stuck_in_all_reduce" in text  # where it hung, from faulthandler
@@ -305,20 +305,13 @@ def test_hang_in_mismatched_collective_fails_at_once_and_next_case_passes(harnes
 def test_an_unmatched_collective_waited_for_outside_torch_distributed_fails_at_once(harness):
     """Libraries wait for async work in their own code (fairscale's scaler: work.wait()): the issued collective
     is what counts, not where the body waits."""
-    start = time.monotonic()
-    with pytest.raises(RankHung) as info:
-        harness.run(_rank0_waits_for_async_all_reduce, world_size=2, timeout=60)
-    elapsed = time.monotonic() - start
-    assert "rank 0 waits for collective #" in str(info.value) and "_rank0_waits_in_its_own_code" in str(info.value)
+    text, elapsed = _timed_failure(harness, RankHung, _rank0_waits_for_async_all_reduce, timeout=60)
+    assert "rank 0 waits for collective #" in text and "_rank0_waits_in_its_own_code" in text
     assert elapsed < 30, f"took {elapsed:.1f} s: waited for the timeout"
 
 
 def test_hang_outside_a_collective_fails_within_timeout_and_next_case_passes(harness):
-    start = time.monotonic()
-    with pytest.raises(RankHung) as info:
-        harness.run(_rank0_sleeps, world_size=2, timeout=4)
-    elapsed = time.monotonic() - start
-    text = str(info.value)
+    text, elapsed = _timed_failure(harness, RankHung, _rank0_sleeps, timeout=4)
     assert "hung (no answer within 4 s)" in text and "rank(s) [0]" in text
     assert "_rank0_sleeps" in text  # where it hung, from faulthandler
     assert elapsed < 4 + 10

@@ -111,8 +111,9 @@ class _Zygote:
     multiprocessing starts a fork server with util.spawnv_passfds(python, [python, -c, "...main(fds...)"], fds):
     a fresh interpreter, which imports torch again. install() routes the first such start here instead: the
     copy keeps only stdin, stdout, stderr and the passed fds, at the numbers the command names, takes the
-    environment of that moment (what the fresh interpreter would inherit), and runs the command. Any other start, and a second one, goes
-    to the real spawnv_passfds. Unused, the copy exits when this process does (its socket closes).
+    environment of that moment (what the fresh interpreter would inherit), and runs the command. Any other
+    start, and a second one, goes to the real spawnv_passfds. Unused, the copy exits when this process does (its
+    socket closes).
     """
 
     COMMAND = "from multiprocessing.forkserver import main"  # how ForkServer.ensure_running's -c code starts
