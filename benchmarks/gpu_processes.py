@@ -8,6 +8,7 @@ its command line. gpu-memory.csv says how much; this says whose: pool ranks (bud
 tests/harness/budget.py), pytest workers, child runs.
 """
 import csv
+import shutil
 import subprocess
 import sys
 import time
@@ -42,6 +43,8 @@ def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     every = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
+    if shutil.which("nvidia-smi") is None:
+        sys.exit("benchmarks.gpu_processes needs nvidia-smi (a machine with an NVIDIA driver)")
     with open(sys.argv[1], "w", newline="") as f:
         writer = csv.DictWriter(f, FIELDS)
         writer.writeheader()

@@ -147,3 +147,10 @@ def test_gpu_processes_names_each_process_nvidia_smi_lists():
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline") as f:
         return f.read()
+
+
+def test_gpu_processes_without_nvidia_smi_says_so(tmp_path):
+    env = dict(clean_env(), PATH=str(tmp_path))  # no nvidia-smi on it, whatever the machine
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_processes", str(tmp_path / "out.csv"), "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "benchmarks.gpu_processes needs nvidia-smi" in proc.stderr, proc.stderr
