@@ -9,6 +9,7 @@ waiting for slots touches a 'wanted' file, and the other workers retire their id
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import json
@@ -19,9 +20,11 @@ import time
 from tests.harness.failures import RankFailure
 
 # one rank's CUDA context plus a task's working set: the GPU gate's peak GPU memory over its budgeted contexts
-# (CPU-mode ranks that touch CUDA and child runs included), plus a third for headroom. More per context means
-# fewer workers on a GPU and a slower gate; less risks running out of GPU memory.
-CONTEXT_GIB = 1.7
+# (CPU-mode ranks that touch CUDA and child runs included; the ranks' contexts without their stack reservation,
+# release_cuda_stack), plus a quarter for headroom: the budget is the GPU's memory over it. More per context
+# means fewer workers on a GPU and a slower gate; less risks running out of GPU memory.
+CONTEXT_GIB = 1.31
+CU_LIMIT_STACK_SIZE = 0  # cuda.h CUlimit
 
 
 def profile(event: str, seconds: float, **info) -> None:
@@ -74,6 +77,34 @@ def narrowed_gpus(present: int, visible: str | None) -> int:
     return min(count, present)
 
 
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def cuda_stack_bytes() -> int | None:
+    """The per-thread stack size of this thread's current CUDA context (CU_LIMIT_STACK_SIZE); None where there is
+    no CUDA driver or no current context."""
+    libcuda, size = _libcuda(), ctypes.c_size_t()
+    if libcuda is None or libcuda.cuCtxGetLimit(ctypes.byref(size), CU_LIMIT_STACK_SIZE) != 0:
+        return None
+    return size.value
+
+
+def release_cuda_stack() -> bool:
+    """Set the current CUDA context's per-thread stack size to 0, which frees the memory the driver reserves
+    for it: 1 KiB by default for every thread the GPU can hold resident, about a quarter GiB per context on
+    an H100, in every rank of every pool. No kernel goes without: the driver grows the stack for a launch
+    that needs more (and keeps it grown, so the ranks call this after each task). True where there was a
+    context to shrink."""
+    if not cuda_stack_bytes():
+        return False
+    return _libcuda().cuCtxSetLimit(CU_LIMIT_STACK_SIZE, ctypes.c_size_t(0)) == 0
+
+
 def gpu_memory_mib(gpu: int, field: str) -> float:
     """One GPU's memory.<field> (total, used, ...) in MiB from nvidia-smi: no CUDA context is made for asking."""
     out = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits", "-i",
@@ -84,19 +115,19 @@ def gpu_memory_mib(gpu: int, field: str) -> float:
 @functools.lru_cache(maxsize=None)
 def context_budget(gpu: int) -> int:
     """How many CUDA contexts of this suite may live on one GPU at once, across xdist workers:
-    FSDP_AMP_GPU_CONTEXTS, else 90% of the GPU's memory (nvidia-smi; no CUDA context is made
-    for asking) over CONTEXT_GIB, else 16."""
+    FSDP_AMP_GPU_CONTEXTS, else the GPU's memory (nvidia-smi; no CUDA context is made for asking)
+    over CONTEXT_GIB, else 16."""
     if os.environ.get("FSDP_AMP_GPU_CONTEXTS"):
         return max(1, int(os.environ["FSDP_AMP_GPU_CONTEXTS"]))
     try:
-        return max(1, int(gpu_memory_mib(gpu, "total") / 1024 * 0.9 / CONTEXT_GIB))
+        return max(1, int(gpu_memory_mib(gpu, "total") / 1024 / CONTEXT_GIB))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return 16
 
 
 POOL_CONTEXTS = 1 + 2 + 4  # the contexts one xdist worker's pools hold at once (world sizes 1, 2, 4 on one GPU)
 CORES_PER_WORKER = 2  # a worker's ranks and its pytest process; more workers per core were slower on the gate
-MAX_WORKERS = 6  # more ran the gate no faster and held more GPU memory at once
+MAX_WORKERS = 8  # the most the gate has been measured at
 
 
 def gate_workers(cores: int, contexts: int) -> int:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from tests.harness.budget import release_cuda_stack
 from tests.harness.task import Issued, Ready, Task, group_sequences, run_task, set_rank_device
 
 WATCH_S = 0.2  # how often a rank looks at the collectives its task has issued
@@ -139,7 +140,8 @@ _tasks_done = itertools.count(1)
 
 
 def _clean_up() -> None:
-    """After a task: free its garbage (and the CUDA memory it held), then freeze the survivors.
+    """After a task: free its garbage (and the CUDA memory it held, the context's stack reservation included:
+    budget.release_cuda_stack), then freeze the survivors.
 
     gc.freeze keeps the next collection to objects created since, so cleaning costs ~1 ms
     instead of ~100 ms with torch and FSDP imported. Cycles that form among frozen objects later
@@ -153,3 +155,4 @@ def _clean_up() -> None:
     gc.freeze()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+        release_cuda_stack()  # also a CPU rank's: fairscale and the CPU offload paths touch CUDA where it is

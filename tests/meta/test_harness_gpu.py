@@ -4,6 +4,7 @@ none, a spent budget failing in bounded time saying so, idle pools retired to ma
 taking turns on a GPU.
 
 The budget's bookkeeping is checked on slot files of a fake GPU, so most of it runs without CUDA."""
+import ctypes
 import dataclasses
 import os
 import subprocess
@@ -186,11 +187,43 @@ def test_a_result_record_comes_back_on_the_host(harness):
     assert out[0].tensors["t"].device.type == "cpu", "a CUDA tensor inside a result record was not moved to the host"
 
 
+def _grow_cuda_stack():
+    torch.zeros(1, device="cuda")  # a CPU rank's context is made here, as fairscale's .cuda() makes it
+    torch.cuda.synchronize()
+    budget._libcuda().cuCtxSetLimit(budget.CU_LIMIT_STACK_SIZE, ctypes.c_size_t(1024))  # as a launch needing it does
+    return budget.cuda_stack_bytes()
+
+
+def _cuda_stack_bytes():
+    torch.cuda.synchronize()  # the context is this thread's current one
+    return budget.cuda_stack_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): the ranks' CUDA contexts")
+@pytest.mark.parametrize("device, world_size", [("cuda", 1), ("cuda-shared", 2), ("cpu", 2)])
+def test_ranks_give_back_the_cuda_stack_reservation_after_each_task(harness, device, world_size):
+    """A context's stack reservation is about a quarter GiB on an H100, per rank, a CPU rank that touched CUDA
+    included; CONTEXT_GIB counts the contexts without it. A task that grew the stack leaves none to the next."""
+    assert harness.run(_grow_cuda_stack, world_size=world_size, device=device) == [1024] * world_size
+    assert harness.run(_cuda_stack_bytes, world_size=world_size, device=device) == [0] * world_size, \
+        "a rank kept its CUDA stack reservation after a task (rank_process._clean_up: budget.release_cuda_stack)"
+
+
+def test_without_a_cuda_context_there_is_no_stack_to_release():
+    """A fresh process, which has made no CUDA context (a pytest worker may have): nothing to do, and no error,
+    with or without a CUDA driver."""
+    out = subprocess.run([sys.executable, "-c", "from tests.harness import budget; "
+                          "print(budget.cuda_stack_bytes(), budget.release_cuda_stack())"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "None False\n"), out.stderr
+
+
 @pytest.mark.parametrize("cores, contexts, workers", [
-    (16, 42, 6),   # an H100 80 GB: the context budget binds (42 // 7)
-    (16, 73, 6),   # an H200 141 GB on 16 cores: at most 6
-    (8, 73, 4),    # the core bound (8 // 2)
-    (128, 500, 6),  # never more than 6
+    (16, 60, 8),   # an H100 80 GB: the core bound (16 // 2)
+    (16, 42, 6),   # the context budget binds (42 // 7)
+    (8, 107, 4),   # an H200 141 GB on 8 cores: the core bound (8 // 2)
+    (128, 500, 8),  # never more than 8
     (2, 42, 1),    # a 2-core runner: one worker
     (16, 5, 1),    # a budget smaller than one worker's pools: still one (its pools take turns)
     (1, 1, 1),
