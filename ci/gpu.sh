@@ -43,6 +43,10 @@ if command -v nvidia-smi >/dev/null; then
   SAMPLERS="$!"
   python3 -m benchmarks.gpu_processes "$OUT/gpu-processes.csv" 5 2>/dev/null &
   SAMPLERS="$SAMPLERS $!"
+  # and the host's available memory (kB), once a second: a CUDA context needs host memory too
+  (while sleep 1; do echo "$(date +%s),$(awk '/^MemAvailable/{print $2}' /proc/meminfo)"; done) \
+    > "$OUT/host-memory.csv" 2>/dev/null &
+  SAMPLERS="$SAMPLERS $!"
   trap 'kill $SAMPLERS 2>/dev/null || true' EXIT
 fi
 # the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
