@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests.child_run import ROOT
-from tests.harness import Harness, RankFailure, budget, rank_device
+from tests.harness import Harness, RankFailure, budget, rank_device, run_on_ranks
 from tests.meta.sessions.children import SESSIONS, child_env
 
 pytestmark = pytest.mark.harness
@@ -202,11 +202,12 @@ def _cuda_stack_bytes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): the ranks' CUDA contexts")
 @pytest.mark.parametrize("device, world_size", [("cuda", 1), ("cuda-shared", 2), ("cpu", 2)])
-def test_ranks_give_back_the_cuda_stack_reservation_after_each_task(harness, device, world_size):
+def test_ranks_give_back_the_cuda_stack_reservation_after_each_task(device, world_size):
     """A context's stack reservation is about a quarter GiB on an H100, per rank, a CPU rank that touched CUDA
-    included; CONTEXT_GIB counts the contexts without it. A task that grew the stack leaves none to the next."""
-    assert harness.run(_grow_cuda_stack, world_size=world_size, device=device) == [1024] * world_size
-    assert harness.run(_cuda_stack_bytes, world_size=world_size, device=device) == [0] * world_size, \
+    included; CONTEXT_GIB counts the contexts without it. A task that grew the stack leaves none to the next.
+    On the session's pools: more pools in this module's harness would be more for its teardown to close."""
+    assert run_on_ranks(_grow_cuda_stack, world_size=world_size, device=device) == [1024] * world_size
+    assert run_on_ranks(_cuda_stack_bytes, world_size=world_size, device=device) == [0] * world_size, \
         "a rank kept its CUDA stack reservation after a task (rank_process._clean_up: budget.release_cuda_stack)"
 
 
