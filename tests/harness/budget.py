@@ -23,7 +23,7 @@ from tests.harness.failures import RankFailure
 # (CPU-mode ranks that touch CUDA and child runs included; the ranks' contexts without their stack reservation,
 # release_cuda_stack), plus a quarter for headroom: the budget is the GPU's memory over it. More per context
 # means fewer workers on a GPU and a slower gate; less risks running out of GPU memory.
-CONTEXT_GIB = 1.31
+CONTEXT_GIB = 1.45
 CU_LIMIT_STACK_SIZE = 0  # cuda.h CUlimit
 
 
