@@ -127,9 +127,8 @@ def context_budget(gpu: int) -> int:
 
 POOL_CONTEXTS = 1 + 2 + 4  # the contexts one xdist worker's pools hold at once (world sizes 1, 2, 4 on one GPU)
 CORES_PER_WORKER = 2  # a worker's ranks and its pytest process; more workers per core were slower on the gate
-# 8 workers (the GPU memory allows them since release_cuda_stack) ran child processes out of memory at CUDA
-# context creation in the gate's standalone tail, with a quarter of an H100's memory free; until that is
-# understood, the gate keeps to 6
+# 8 workers ran child processes out of memory at CUDA context creation in the gate's standalone tail, with a
+# quarter of an H100's memory free; until that is understood, the gate keeps to 6
 MAX_WORKERS = 6
 
 

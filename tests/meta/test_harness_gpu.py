@@ -221,7 +221,7 @@ def test_without_a_cuda_context_there_is_no_stack_to_release():
 
 
 @pytest.mark.parametrize("cores, contexts, workers", [
-    (16, 60, 6),   # an H100 80 GB on 16 cores: the cap
+    (16, 54, 6),   # an H100 80 GB on 16 cores: the cap
     (16, 35, 5),   # the context budget binds (35 // 7)
     (8, 107, 4),   # an H200 141 GB on 8 cores: the core bound (8 // 2)
     (128, 500, 6),  # never more than 6
