@@ -4,7 +4,7 @@ inv_scale / found_inf before those copies land, so CPU grads are zeroed or an in
 
 The scalers copy inv_scale / found_inf from the GPU to the CPU with non_blocking=True (into pinned
 memory) and then use the CPU copy at once on the CPU. While the GPU is idle the copy lands in time;
-with work queued on the GPU (here ~tens of ms of matmuls between backward and step, as a metric or
+with work queued on the GPU (here ~20 ms of matmuls between backward and step, as a metric or
 the next batch's preprocessing would queue) it never does, and:
   - torch.amp.GradScaler misses an inf in the CPU grads (and steps on it);
   - torch's ShardedGradScaler multiplies every CPU grad by the unlanded inv_scale (zeroes them) and
@@ -40,7 +40,7 @@ def _busy_trials(scaler, with_inf):
         opt = sgd(pb.params)
         before = pb.snapshot()
         pb.backward(s, inject={0: math.inf} if with_inf else None)  # ends with the GPU idle (synchronized)
-        keep_gpu_busy()  # queue ~tens of ms of matmuls and return at once
+        keep_gpu_busy()  # queue ~20 ms of matmuls and return at once
         s.step(opt)
         s.update()
         out.append(dict(stepped=not equal_lists(pb.snapshot(), before), backed_off=s.get_scale() == init_scale / 2,
