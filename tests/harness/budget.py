@@ -127,8 +127,9 @@ def context_budget(gpu: int) -> int:
 
 POOL_CONTEXTS = 1 + 2 + 4  # the contexts one xdist worker's pools hold at once (world sizes 1, 2, 4 on one GPU)
 CORES_PER_WORKER = 2  # a worker's ranks and its pytest process; more workers per core were slower on the gate
-# 8 workers ran child processes out of memory at CUDA context creation in the gate's standalone tail, with a
-# quarter of an H100's memory free; until that is understood, the gate keeps to 6
+# A GPU holds about 100 CUDA contexts at once, whatever memory is free: past that, making one fails with
+# CUDA_ERROR_OUT_OF_MEMORY (benchmarks/context_count.py). A gate worker's processes hold up to ~14 (its CPU-mode
+# ranks touch CUDA too, and child runs make their own), so 8 workers reach the limit and 6 stay under it.
 MAX_WORKERS = 6
 
 

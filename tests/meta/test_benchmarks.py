@@ -154,3 +154,30 @@ def test_gpu_processes_without_nvidia_smi_says_so(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_processes", str(tmp_path / "out.csv"), "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "benchmarks.gpu_processes needs nvidia-smi" in proc.stderr, proc.stderr
+
+
+def test_context_count_counts_the_contexts_held_until_the_first_failure(tmp_path, monkeypatch, capsys):
+    from benchmarks import context_count
+
+    # a stand-in for the driver: the first 5 processes get a context, the rest fail as the GPU's limit does
+    monkeypatch.setattr(context_count, "CHILD", f"""
+import os, sys
+n = len(os.listdir({str(tmp_path)!r}))
+open(os.path.join({str(tmp_path)!r}, str(n)), "w").close()
+print("ok" if n < 5 else "cuDevicePrimaryCtxRetain returned CUresult 2", flush=True)
+sys.stdin.read()
+""")
+    monkeypatch.setattr(context_count, "gpu_memory_mib", lambda gpu, field: 4321.0)
+    monkeypatch.setattr(sys, "argv", ["context_count", "--limit", "50"])
+    context_count.main()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "max_contexts=5; process 6 failed: cuDevicePrimaryCtxRetain returned CUresult 2, with 4321 MiB of GPU "
+        "memory in use")
+    assert len(os.listdir(tmp_path)) == 8, "it stops at the third failure"
+
+
+def test_context_count_without_nvidia_smi_says_so(tmp_path):
+    env = dict(clean_env(), PATH=str(tmp_path))  # no nvidia-smi on it, whatever the machine
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.context_count"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "benchmarks.context_count needs a GPU" in proc.stderr, proc.stderr
