@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.child_run import ROOT, clean_env, runpytest
+from tests.scalers import spec_id
 
 pytestmark = pytest.mark.harness
 REPRO = "tests/repro/test_cpu_scale_grows_to_inf.py"  # runs on CPU
@@ -38,10 +39,15 @@ def test_an_unknown_name_is_a_usage_error_naming_it_and_no_name_lists_the_files(
     assert proc.stdout.split() == [f[len("test_"):-len(".py")] for f in files], proc.stdout
 
 
-@pytest.mark.parametrize("spec, outcome", [("ours", {"passed": 1}), (MUTANT, {"failed": 1})])
-def test_the_repro_case_runs_on_a_plugged_scaler_under_pytest(pytester, monkeypatch, spec, outcome):
-    result = runpytest(pytester, monkeypatch, os.path.join(ROOT, REPRO), "-p", "no:xdist", "--scaler", spec)
-    result.assert_outcomes(**outcome)
+def test_the_repro_case_runs_on_plugged_scalers_under_pytest(pytester, monkeypatch):
+    """One child session for both scalers (a child session's start-up is most of its cost): the correct one
+    passes the case, the one with the bug fails it."""
+    result = runpytest(pytester, monkeypatch, os.path.join(ROOT, REPRO), "-p", "no:xdist", "-rA",
+                       "--scaler", "ours", "--scaler", MUTANT)
+    result.assert_outcomes(passed=1, failed=1)
+    summary = [line for line in result.outlines if line.startswith(("PASSED ", "FAILED "))]
+    assert any(line.startswith("PASSED ") and "[ours]" in line for line in summary), summary
+    assert any(line.startswith("FAILED ") and f"[{spec_id(MUTANT)}]" in line for line in summary), summary
 
 
 def _repro_files_in_parts(parts: int) -> list[list[str]]:
