@@ -48,6 +48,17 @@ def test_a_file_imports_only_the_stdlib_torch_and_its_own_upstream(stem):
 
 
 @pytest.mark.parametrize("stem", sorted(FILES))
+def test_a_files_ranks_meet_without_picking_a_port(stem):
+    """A port found free and bound later by the store can be taken in between by another process on a busy runner:
+    a process group gets its store (HashStore, FileStore) and no socket is bound."""
+    tree = ast.parse(path_of(stem).read_text(encoding="utf-8"))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    bad = [f"line {n.lineno}: {n.func.attr}" for n in calls if n.func.attr == "bind" or (
+        n.func.attr == "init_process_group" and "store" not in {k.arg for k in n.keywords})]
+    assert not bad, f"{stem}.py picks a port ({', '.join(bad)}): pass init_process_group a store"
+
+
+@pytest.mark.parametrize("stem", sorted(FILES))
 def test_a_file_has_the_reports_sections_and_every_flag_its_modes_run(stem):
     d = reports.doc(stem)
     assert d.title and d.body

@@ -31,7 +31,6 @@ import argparse
 import datetime
 import math
 import os
-import socket
 import sys
 import warnings
 
@@ -146,10 +145,8 @@ def main() -> int:
     if args.with_fix:
         apply_fix()
     torch.cuda.set_device(0)
-    with socket.socket() as s:  # ShardedGradScaler and FSDP need a process group: one rank
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    # ShardedGradScaler and FSDP need a process group: one rank
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     if args.real_training:
         bug = real_training()

@@ -26,7 +26,7 @@ Related: pytorch PR #132816 "Gradient scaler for DTensor" (where the handler cam
 test test_fully_shard_grad_scaler.py injects the inf only into params[0], a TP-sharded param); #120003
 (DTensor-based sharded grad scaler design); #98860 (Sharded Grad Scaler tracker).
 """
-import argparse, datetime, json, math, os, socket, sys, tempfile, warnings
+import argparse, datetime, json, math, os, sys, tempfile, warnings
 
 import torch
 import torch.distributed as dist
@@ -116,9 +116,9 @@ def tp_real_overflow(mesh, rank):
     return not torch.equal(model[0].weight.to_local(), before)
 
 
-def _rank(rank, world, port, out, real_overflow):
+def _rank(rank, world, store_path, out, real_overflow):
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
     if real_overflow:
         result = {"tp": tp_real_overflow(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), rank)}
@@ -132,11 +132,10 @@ def _rank(rank, world, port, out, real_overflow):
 
 
 def run_ranks(world, real_overflow):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, port, out, real_overflow), nprocs=world, start_method="fork")
+        # the ranks meet through a file, not a port that another process could take before they bind it
+        store_path = os.path.join(out, "store")
+        mp.start_processes(_rank, args=(world, store_path, out, real_overflow), nprocs=world, start_method="fork")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

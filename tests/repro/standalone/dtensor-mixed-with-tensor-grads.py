@@ -26,7 +26,7 @@ a param list (seen on torch 2.13 CPU with foreach=True and 2.11 CUDA), so the re
 Related: pytorch #153354 (FSDP2 "got mixed torch.Tensor and DTensor", same error in backward); torchtune
 PR #2687 (disables foreach grad scaling under TP); pytorch_geometric PR #10317; Cornstarch PR #87.
 """
-import argparse, datetime, json, os, socket, sys, tempfile, warnings
+import argparse, datetime, json, os, sys, tempfile, warnings
 from collections import defaultdict
 
 import torch
@@ -83,9 +83,9 @@ def train_step():
     return "stepped" if not torch.equal(model[1].weight, before) else "skipped"
 
 
-def _rank(rank, world, port, out):
+def _rank(rank, world, store_path, out):
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
     result = train_step()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
@@ -95,11 +95,10 @@ def _rank(rank, world, port, out):
 
 
 def run_ranks(world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, port, out), nprocs=world, start_method="fork")
+        # the ranks meet through a file, not a port that another process could take before they bind it
+        store_path = os.path.join(out, "store")
+        mp.start_processes(_rank, args=(world, store_path, out), nprocs=world, start_method="fork")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

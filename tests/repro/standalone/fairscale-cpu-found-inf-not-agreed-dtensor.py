@@ -24,7 +24,7 @@ ShardedGradScaler.unscale_ with that write-back.
 Related: none found for DTensor grads (fairscale is archived); the same drop with plain CPU grads is the
 fairscale-cpu-found-inf-not-agreed report.
 """
-import argparse, datetime, json, math, os, socket, sys, tempfile, warnings
+import argparse, datetime, json, math, os, sys, tempfile, warnings
 
 import torch
 import torch.distributed as dist
@@ -96,13 +96,13 @@ def real_overflow(mesh, rank):
     return {"stepped": not torch.equal(model[1].weight.to_local(), before), "scale": float(scaler.get_scale())}
 
 
-def _rank(rank, world, port, out, args):
+def _rank(rank, world, store_path, out, args):
     warnings.filterwarnings("ignore")
     if args.with_fix:
         apply_fix()
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
     mesh = init_device_mesh("cpu", (world,))
     result = (real_overflow if args.real_overflow else injected)(mesh, rank)
@@ -113,11 +113,10 @@ def _rank(rank, world, port, out, args):
 
 
 def run_ranks(world, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="forkserver")
+        # the ranks meet through a file, not a port that another process could take before they bind it
+        store_path = os.path.join(out, "store")
+        mp.start_processes(_rank, args=(world, store_path, out, args), nprocs=world, start_method="forkserver")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

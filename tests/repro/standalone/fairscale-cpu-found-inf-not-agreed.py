@@ -28,7 +28,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import warnings
@@ -104,10 +103,10 @@ def fsdp1_offload_overflow(rank):
     return dict(stepped=not torch.equal(before, flat.detach()), scale=scaler.get_scale(), finite=finite)
 
 
-def _rank(rank, world, port, out, args):
+def _rank(rank, world, store_path, out, args):
     warnings.filterwarnings("ignore")
     torch.cuda.set_device(0)  # the ranks share one GPU
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
     if args.with_fix:
         apply_fix()
@@ -119,11 +118,10 @@ def _rank(rank, world, port, out, args):
 
 
 def run_ranks(world, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="forkserver")
+        # the ranks meet through a file, not a port that another process could take before they bind it
+        store_path = os.path.join(out, "store")
+        mp.start_processes(_rank, args=(world, store_path, out, args), nprocs=world, start_method="forkserver")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

@@ -24,7 +24,7 @@ groups by device and dtype too), so the repro uses foreach=False.
 Related: pytorch #153354 (FSDP2 "got mixed torch.Tensor and DTensor"); torchtune PR #2687 (disables
 foreach grad scaling under TP); fairscale is archived.
 """
-import argparse, datetime, json, os, socket, sys, tempfile, warnings
+import argparse, datetime, json, os, sys, tempfile, warnings
 from collections import defaultdict
 
 import torch
@@ -81,12 +81,12 @@ def dtensor_and_plain():
     return f"plain param after the step: {plain.detach().cpu().tolist()}"
 
 
-def _rank(rank, world, port, out, args):
+def _rank(rank, world, store_path, out, args):
     warnings.filterwarnings("ignore")
     if args.with_fix:
         apply_fix()
     torch.cuda.set_device(0)  # the gloo ranks share one GPU
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
     result = dtensor_and_plain()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
@@ -96,11 +96,10 @@ def _rank(rank, world, port, out, args):
 
 
 def run_ranks(world, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="forkserver")
+        # the ranks meet through a file, not a port that another process could take before they bind it
+        store_path = os.path.join(out, "store")
+        mp.start_processes(_rank, args=(world, store_path, out, args), nprocs=world, start_method="forkserver")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

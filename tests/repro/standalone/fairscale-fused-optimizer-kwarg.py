@@ -27,7 +27,6 @@ Related: none found (fairscale is in maintenance mode).
 import argparse
 import datetime
 import inspect
-import socket
 import sys
 import warnings
 
@@ -79,10 +78,7 @@ def main() -> int:
         return 77
     warnings.filterwarnings("ignore")
     torch.cuda.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))  # fairscale's unscale_ all-reduces
     if args.with_fix:
         apply_fix()

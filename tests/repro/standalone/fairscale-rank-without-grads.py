@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -74,10 +73,10 @@ def step(rank):
     return dict(stepped=not torch.equal(before, shard.detach()), scale=scaler.get_scale())
 
 
-def _rank(rank, world, port, out, args):
+def _rank(rank, world, store_path, out, args):
     warnings.filterwarnings("ignore")
     torch.cuda.set_device(0)  # the ranks share one GPU
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     if args.with_fix:
         apply_fix()
@@ -94,11 +93,11 @@ def _rank(rank, world, port, out, args):
 
 
 def run_ranks(world, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="forkserver",
+    # the ranks meet through a file, not a port that another process could take before they bind it: a file
+    # outside out, whose entries the ranks count
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as out:
+        store_path = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_rank, args=(world, store_path, out, args), nprocs=world, start_method="forkserver",
                                  join=False)
         deadline = time.monotonic() + 6 * TIMEOUT_S
         while not ctx.join(timeout=1):

@@ -29,7 +29,6 @@ zero_grad()); torch 2.10 only reworded the message (pytorch PR #162815). No repo
 import argparse
 import datetime
 import os
-import socket
 import sys
 import warnings
 
@@ -91,10 +90,7 @@ def main() -> int:
     if args.with_fix:
         apply_fix()
     torch.cuda.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     out = {mode: train(mode) for mode in (True, False)}
     dist.destroy_process_group()

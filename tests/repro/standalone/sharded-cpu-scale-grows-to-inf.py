@@ -27,7 +27,6 @@ Related: none found.
 import argparse
 import datetime
 import math
-import socket
 import sys
 import warnings
 
@@ -112,10 +111,8 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     if args.with_fix:
         apply_fix()
-    with socket.socket() as s:  # ShardedGradScaler all-reduces found_inf: a 1-rank group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    # ShardedGradScaler all-reduces found_inf: a 1-rank group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=20))
     if args.real_overflow:
         scales, stepped = fsdp1_bf16_training()

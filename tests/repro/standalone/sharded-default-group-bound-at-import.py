@@ -28,7 +28,6 @@ groups do not pickle).
 import argparse
 import datetime
 import pickle
-import socket
 import sys
 import warnings
 
@@ -54,10 +53,7 @@ def main() -> int:
     parser.add_argument("--with-fix", action="store_true", help="apply the proposed fix first")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=20))
     # imported after init_process_group, as a framework's lazy import is
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

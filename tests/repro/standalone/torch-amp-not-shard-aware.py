@@ -24,7 +24,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import warnings
@@ -72,9 +71,9 @@ def fsdp1_fp16_overflow():
     return dict(stepped=not torch.equal(before, flat.detach()), scale=scaler.get_scale(), finite=shard_finite)
 
 
-def _rank(rank, world, port, out, real):
+def _rank(rank, world, store_path, out, real):
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=20))
     result = fsdp1_fp16_overflow() if real else inf_in_rank1_grad()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
@@ -84,11 +83,10 @@ def _rank(rank, world, port, out, real):
 
 
 def run_ranks(world, real):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, port, out, real), nprocs=world, start_method="fork")
+        # the ranks meet through a file, not a port that another process could take before they bind it
+        store_path = os.path.join(out, "store")
+        mp.start_processes(_rank, args=(world, store_path, out, real), nprocs=world, start_method="fork")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

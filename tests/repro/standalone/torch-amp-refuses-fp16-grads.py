@@ -22,7 +22,6 @@ pytorch PR #116054 discusses the allow_fp16 default.
 """
 import argparse
 import datetime
-import socket
 import sys
 import warnings
 
@@ -35,10 +34,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
     warnings.filterwarnings("ignore")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=20))
     torch.manual_seed(0)
     fp16 = torch.float16

@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -91,10 +90,10 @@ def one_step(rank):
                 scale=scaler.get_scale())
 
 
-def _rank(rank, world, port, out, with_fix):
+def _rank(rank, world, store_path, out, with_fix):
     warnings.filterwarnings("ignore")
     torch.cuda.set_device(0)  # the ranks share one GPU
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     if with_fix:
         apply_fix()
@@ -118,12 +117,11 @@ def _rank(rank, world, port, out, with_fix):
 
 
 def run_ranks(world, with_fix, limit=6 * GLOO_TIMEOUT_S):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("forkserver")
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_rank, args=(r, world, port, out, with_fix)) for r in range(world)]
+        # the ranks meet through a file, not a port that another process could take before they bind it
+        store_path = os.path.join(out, "store")
+        procs = [ctx.Process(target=_rank, args=(r, world, store_path, out, with_fix)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + limit

@@ -30,7 +30,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import warnings
@@ -81,9 +80,9 @@ def real_overflow(rank):
                      init_scale=2.0**16)
 
 
-def _rank(rank, world, port, out, args):
+def _rank(rank, world, store_path, out, args):
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=20))
     result = real_overflow(rank) if args.real_overflow else written_inf(rank)
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
@@ -93,11 +92,10 @@ def _rank(rank, world, port, out, args):
 
 
 def run_ranks(world, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, port, out, args), nprocs=world, start_method="fork")
+        # the ranks meet through a file, not a port that another process could take before they bind it
+        store_path = os.path.join(out, "store")
+        mp.start_processes(_rank, args=(world, store_path, out, args), nprocs=world, start_method="fork")
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
 
 

@@ -27,7 +27,6 @@ pytorch PR #116054 (consolidates ShardedGradScaler with GradScaler, 0-dim found_
 """
 import argparse
 import datetime
-import socket
 import sys
 import warnings
 
@@ -72,10 +71,7 @@ def main() -> int:
     parser.add_argument("--with-fix", action="store_true", help="apply the proposed fix first")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=20))
     if args.with_fix:
         apply_fix()
