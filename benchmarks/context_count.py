@@ -13,7 +13,7 @@ import argparse
 import subprocess
 import sys
 
-from tests.harness.budget import gpu_memory_mib
+from tests.harness.budget import gpu_memory_mib, visible_gpus
 
 CHILD = r'''
 import ctypes, sys
@@ -45,9 +45,7 @@ def main():
     ap.add_argument("--limit", type=int, default=200, help="stop after this many processes")
     ap.add_argument("--streams", type=int, default=0, help="streams each process makes and uses")
     args = ap.parse_args()
-    try:
-        gpu_memory_mib(0, "used")
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    if not visible_gpus():
         sys.exit("benchmarks.context_count needs a GPU (nvidia-smi)")
     procs, held, failed = [], 0, []
     try:
