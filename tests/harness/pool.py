@@ -77,11 +77,12 @@ class RankPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def run(self, payload: bytes, timeout: float, seed: int) -> list:
-        """Every rank's result of pickle.loads(payload) = (fn, args, kwargs), in rank order (task.values)."""
+    def run(self, payload: bytes, timeout: float, seed: int, on_cpu: bool = False) -> list:
+        """Every rank's result of pickle.loads(payload) = (fn, args, kwargs), in rank order (task.values);
+        on_cpu: a CPU task in this pool's GPU ranks (task.Task)."""
         offsets = self._log_ends()
         try:
-            outcomes = self._send_and_collect(payload, seed, timeout, offsets)
+            outcomes = self._send_and_collect(payload, seed, timeout, offsets, on_cpu)
         except RankFailure:
             self.shutdown(graceful=False)
             raise
@@ -90,8 +91,8 @@ class RankPool:
         return values(outcomes)
 
     def _send_and_collect(self, payload: bytes, seed: int, timeout: float,
-                          offsets: tuple[int, ...]) -> list[Outcome]:
-        task = Task(next(self._task_ids), payload, seed)
+                          offsets: tuple[int, ...], on_cpu: bool = False) -> list[Outcome]:
+        task = Task(next(self._task_ids), payload, seed, on_cpu)
         for q in self.tasks:
             q.put(task)
         got = self._collect(lambda m: isinstance(m, Outcome) and m.task == task.id, timeout, offsets,

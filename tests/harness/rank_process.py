@@ -49,9 +49,8 @@ def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[
         # spinning OpenMP threads can then stall a tiny step for seconds
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world_size * workers)))
-    if device == "cpu":
-        set_rank_device(torch.device("cpu"))
-    else:
+    home = torch.device("cpu")
+    if device != "cpu":
         gpu = gpus[rank] if device == "cuda" else gpus[0]
         try:
             torch.cuda.set_device(gpu)
@@ -63,7 +62,7 @@ def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[
             results.close()
             results.join_thread()  # the message must leave before the process does
             os._exit(4)
-        set_rank_device(torch.device("cuda", gpu))
+        home = torch.device("cuda", gpu)
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(hours=1))  # the parent times tasks out, not the PG
     _clean_up()
@@ -73,6 +72,7 @@ def rank_main(rank: int, world_size: int, backend: str, device: str, gpus: list[
     results.put(Ready(rank))
     while isinstance(task := tasks.get(), Task):
         running[0] = task.id
+        set_rank_device(torch.device("cpu") if task.on_cpu else home)
         outcome = run_task(task, rank)
         running[0] = None
         results.put(outcome)

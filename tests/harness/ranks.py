@@ -6,9 +6,10 @@
 
 Three engines, one API:
 - pool (default): ranks are spawned once per (world_size, backend, device) per pytest/xdist
-  worker, keep their process group, and run task after task (pool.py, and rank_process.py inside
-  each rank). A rank that raises, dies or hangs fails the test with every rank's traceback or
-  faulthandler stack, and the pool is torn down and rebuilt.
+  worker (where there is a GPU, CPU tasks run in its gloo ranks: pool_key), keep their process
+  group, and run task after task (pool.py, and rank_process.py inside each rank). A rank that
+  raises, dies or hangs fails the test with every rank's traceback or faulthandler stack, and the
+  pool is torn down and rebuilt.
 - isolation (`--isolate-ranks`): the same pool, spawned for one task and stopped after it.
 - torchrun: when RANK/WORLD_SIZE are set, the body runs right here on the launcher's ranks (torchrun.py).
 
@@ -61,6 +62,18 @@ def missing_requirement(world_size: int, device: str = "cpu", backend: str | Non
         return (f"needs {need} GPU(s) for {world_size} rank(s) on device={device!r} ({backend}, one GPU "
                 f"per rank); {have} visible")
     return None
+
+
+def pool_key(world_size: int, backend: str, device: str, cuda: bool) -> tuple[int, str, str]:
+    """The pool (world_size, backend, device) a task runs in; cuda: this machine has a GPU.
+
+    Where there is a GPU, a CPU task runs in the gloo ranks of its world size on the GPU (cuda-shared), with
+    rank_device() the CPU: ranks of a CPU pool there would make CUDA contexts anyway (fairscale and the offload
+    paths touch CUDA where it is available), as many again as the GPU pools' and outside their budget, and a
+    GPU holds only about a hundred (budget.py MAX_WORKERS)."""
+    if device == "cpu" and cuda:
+        return world_size, "gloo", "cuda-shared"
+    return world_size, backend, device
 
 
 def _validate(world_size, device, backend):
@@ -141,21 +154,24 @@ class Harness:
                             f"picklable (a module-level function, no lambdas or closures): {exc}") from exc
         if torchrun_world_size() is not None:
             return run_under_torchrun(payload, device, backend, seed)
-        key = (world_size, backend, device)
+        import torch
+
+        key = pool_key(world_size, backend, device, torch.cuda.is_available())
+        on_cpu = device == "cpu"
         exclusive_gpu = exclusive_gpu or os.environ.get("FSDP_AMP_EXCLUSIVE_GPUS") == "1"  # to measure the gain
         self.gpu_budget.yield_idle_contexts(self.pools, keep=key)
         with self.gpu_budget.task_locks(world_size, device, exclusive_gpu, memory_heavy):
             if self.isolate:
                 pool = self._new_pool(*key)
                 try:
-                    return pool.run(payload, timeout, seed)
+                    return pool.run(payload, timeout, seed, on_cpu)
                 finally:
                     pool.shutdown()
             pool = self.pools.get(key)
             if pool is None or not pool.healthy:
                 self.pools.pop(key, None)
                 pool = self.pools[key] = self._new_pool(*key)
-            return pool.run(payload, timeout, seed)
+            return pool.run(payload, timeout, seed, on_cpu)
 
     def shutdown(self) -> None:
         """Stop every pool of this harness (its ranks exit, its context slots are released)."""

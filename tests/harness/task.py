@@ -59,10 +59,12 @@ def cached_mesh(device_type: str, shape: tuple, names: tuple):
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """Parent -> each rank: run pickle.loads(payload) = (fn, args, kwargs) after resetting every RNG to `seed`."""
+    """Parent -> each rank: run pickle.loads(payload) = (fn, args, kwargs) after resetting every RNG to `seed`;
+    on_cpu: its tensors belong on the CPU (rank_device()), whatever GPU the rank holds (ranks.pool_key)."""
     id: int
     payload: bytes
     seed: int = 0
+    on_cpu: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

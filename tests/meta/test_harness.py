@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import Harness, RankDied, RankHung, RankRaised, missing_requirement
+from tests.harness.ranks import pool_key
 from tests.harness.pool import PEER_GRACE_S, unmatched_collective
 from tests.harness.task import Task, run_task
 from tests.meta.sessions.children import is_zombie
@@ -209,6 +210,17 @@ def test_same_case_twice_is_bit_identical(harness):
     assert all(torch.equal(x, y) for x, y in zip(a[0][0], a[1][0]))  # data parallel: ranks agree
 
 
+@pytest.mark.parametrize("world_size, backend, device, cuda, key", [
+    (2, "gloo", "cpu", False, (2, "gloo", "cpu")),
+    (3, "gloo", "cpu", True, (3, "gloo", "cuda-shared")),  # the GPU's gloo ranks, rank_device() the CPU
+    (2, "gloo", "cuda-shared", True, (2, "gloo", "cuda-shared")),
+    (2, "nccl", "cuda", True, (2, "nccl", "cuda")),  # NCCL ranks cannot reduce CPU tensors
+    (1, "nccl", "cuda", True, (1, "nccl", "cuda")),
+])
+def test_a_task_runs_in_the_pool_of_its_world_size_backend_and_device(world_size, backend, device, cuda, key):
+    assert pool_key(world_size, backend, device, cuda) == key
+
+
 def test_isolation_mode_gives_the_same_results_as_the_pool(harness):
     pooled = harness.run(_tiny_training, 2, world_size=2)
     with Harness(isolate=True) as isolating:
@@ -239,8 +251,9 @@ def _process_name():
 
 
 def test_a_rank_names_its_process_by_its_pool(harness):
-    """ps and benchmarks/gpu_processes.py tell a pool rank from the other processes by this name."""
-    assert harness.run(_process_name, world_size=2) == ["rank0of2:cpu", "rank1of2:cpu"]
+    """ps and benchmarks/gpu_processes.py tell a pool rank from the other processes by this name (15 bytes)."""
+    device = pool_key(2, "gloo", "cpu", torch.cuda.is_available())[2]
+    assert harness.run(_process_name, world_size=2) == [f"rank{r}of2:{device}"[:15] for r in range(2)]
 
 
 def test_exception_on_rank_1_only_fails_with_that_traceback(harness):

@@ -154,6 +154,26 @@ def test_two_gloo_ranks_share_one_gpu(harness):
     assert all(torch.equal(t, torch.full((2,), 3.0)) for _, t in out)
 
 
+def _where():
+    return str(rank_device()), os.getpid()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): the GPU's gloo ranks")
+def test_a_cpu_task_runs_on_the_cpu_in_the_gpus_gloo_ranks(harness):
+    """Where there is a GPU, a CPU task runs in the GPU's gloo ranks of its world size (ranks.pool_key), its
+    rank_device() the CPU; the next GPU task there is on the GPU again. A CPU pool of its own would hold CUDA
+    contexts outside the budget."""
+    on_cpu = harness.run(_where, world_size=2, device="cpu")
+    on_gpu = harness.run(_where, world_size=2, device="cuda-shared")
+    again = harness.run(_where, world_size=2, device="cpu")
+    assert [d for d, _ in on_cpu] == [d for d, _ in again] == ["cpu", "cpu"]
+    assert all(d.startswith("cuda:") for d, _ in on_gpu), on_gpu
+    assert [p for _, p in on_cpu] == [p for _, p in on_gpu] == [p for _, p in again], \
+        "the CPU task ran in ranks of its own"
+    assert (2, "gloo", "cpu") not in harness.pools
+
+
 @pytest.mark.gpu
 def test_one_nccl_rank_on_one_gpu(harness):
     out = harness.run(_shared_gpu_all_reduce, world_size=1, device="cuda")
