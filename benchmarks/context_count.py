@@ -1,5 +1,5 @@
-"""How many processes can hold a CUDA context on GPU 0 at once: the limit tests/harness/budget.py MAX_WORKERS
-keeps the GPU gate under.
+"""How many processes can hold a CUDA context on GPU 0 at once: tests/harness/budget.py CONTEXT_LIMIT, under which
+the rank pools' context budget stays.
 
     python -m benchmarks.context_count [--limit 200] [--streams 0]
 

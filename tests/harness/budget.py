@@ -19,11 +19,17 @@ import time
 
 from tests.harness.failures import RankFailure
 
-# one rank's CUDA context plus a task's working set: the GPU gate's peak GPU memory over its budgeted contexts
-# (CPU-mode ranks that touch CUDA and child runs included; the ranks' contexts without their stack reservation,
-# release_cuda_stack), plus a quarter for headroom: the budget is the GPU's memory over it. More per context
-# means fewer workers on a GPU and a slower gate; less risks running out of GPU memory.
-CONTEXT_GIB = 1.45
+# one rank's CUDA context plus a task's working set: the GPU gate's peak GPU memory over the pool ranks holding
+# contexts then (the memory of pytest workers and child runs included; the ranks' contexts without their stack
+# reservation, release_cuda_stack), plus a quarter for headroom. More per context means fewer workers on a GPU
+# and a slower gate; less risks running out of GPU memory.
+CONTEXT_GIB = 1.0
+# A GPU holds about 100 CUDA contexts at once, whatever memory is free: past that, making one fails with
+# CUDA_ERROR_OUT_OF_MEMORY (benchmarks/context_count.py). The pools' budget leaves room under it for the contexts
+# that no slot counts: a pytest process's own and, at times, a child run's, for each of the ten workers that the
+# rest allows (gate_workers).
+CONTEXT_LIMIT = 100
+UNBUDGETED_CONTEXTS = 16
 CU_LIMIT_STACK_SIZE = 0  # cuda.h CUlimit
 
 
@@ -114,31 +120,35 @@ def gpu_memory_mib(gpu: int, field: str) -> float:
 
 @functools.lru_cache(maxsize=None)
 def context_budget(gpu: int) -> int:
-    """How many CUDA contexts of this suite may live on one GPU at once, across xdist workers:
-    FSDP_AMP_GPU_CONTEXTS, else the GPU's memory (nvidia-smi; no CUDA context is made for asking)
-    over CONTEXT_GIB, else 16."""
+    """How many CUDA contexts the rank pools of this suite may hold on one GPU at once, across xdist workers:
+    FSDP_AMP_GPU_CONTEXTS, else budget_for_memory of the GPU's memory (nvidia-smi; no CUDA context is made for
+    asking), else 16."""
     if os.environ.get("FSDP_AMP_GPU_CONTEXTS"):
         return max(1, int(os.environ["FSDP_AMP_GPU_CONTEXTS"]))
     try:
-        return max(1, int(gpu_memory_mib(gpu, "total") / 1024 / CONTEXT_GIB))
+        return budget_for_memory(gpu_memory_mib(gpu, "total") / 1024)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return 16
 
 
-POOL_CONTEXTS = 1 + 2 + 4  # the contexts one xdist worker's pools hold at once (world sizes 1, 2, 4 on one GPU)
+def budget_for_memory(gib: float) -> int:
+    """The pools' context budget on a GPU of `gib` GiB: one per CONTEXT_GIB, within the GPU's limit on contexts
+    less those that no slot counts (CONTEXT_LIMIT - UNBUDGETED_CONTEXTS); at least 1."""
+    return max(1, min(int(gib / CONTEXT_GIB), CONTEXT_LIMIT - UNBUDGETED_CONTEXTS))
+
+
+# the contexts one xdist worker's pools hold at once on one GPU: NCCL world size 1, gloo world sizes 1, 2 and 4
+# (CPU tasks run in the gloo ones: ranks.pool_key)
+POOL_CONTEXTS = 1 + 1 + 2 + 4
 CORES_PER_WORKER = 2  # a worker's ranks and its pytest process; more workers per core were slower on the gate
-# A GPU holds about 100 CUDA contexts at once, whatever memory is free: past that, making one fails with
-# CUDA_ERROR_OUT_OF_MEMORY (benchmarks/context_count.py). A gate worker's processes hold up to ~14 (its CPU-mode
-# ranks touch CUDA too, and child runs make their own), so 8 workers reach the limit and 6 stay under it.
-MAX_WORKERS = 6
 
 
 def gate_workers(cores: int, contexts: int) -> int:
-    """The GPU gate's xdist workers (ci/gpu.sh): one per CORES_PER_WORKER cores, at most MAX_WORKERS, and no more
-    than the GPU's context budget keeps alive without pools taking turns (contexts // POOL_CONTEXTS); at least 1."""
+    """The GPU gate's xdist workers (ci/gpu.sh): one per CORES_PER_WORKER cores, and no more than the GPU's context
+    budget keeps alive without pools taking turns (contexts // POOL_CONTEXTS); at least 1."""
     if cores < 1 or contexts < 1:
         raise ValueError(f"gate_workers(cores={cores}, contexts={contexts}): both must be at least 1")
-    return max(1, min(cores // CORES_PER_WORKER, MAX_WORKERS, contexts // POOL_CONTEXTS))
+    return max(1, min(cores // CORES_PER_WORKER, contexts // POOL_CONTEXTS))
 
 
 class GpuBudget:

@@ -70,7 +70,7 @@ def pool_key(world_size: int, backend: str, device: str, cuda: bool) -> tuple[in
     Where there is a GPU, a CPU task runs in the gloo ranks of its world size on the GPU (cuda-shared), with
     rank_device() the CPU: ranks of a CPU pool there would make CUDA contexts anyway (fairscale and the offload
     paths touch CUDA where it is available), as many again as the GPU pools' and outside their budget, and a
-    GPU holds only about a hundred (budget.py MAX_WORKERS)."""
+    GPU holds only about a hundred (budget.py CONTEXT_LIMIT)."""
     if device == "cpu" and cuda:
         return world_size, "gloo", "cuda-shared"
     return world_size, backend, device

@@ -241,16 +241,25 @@ def test_without_a_cuda_context_there_is_no_stack_to_release():
 
 
 @pytest.mark.parametrize("cores, contexts, workers", [
-    (16, 54, 6),   # an H100 80 GB on 16 cores: the cap
-    (16, 35, 5),   # the context budget binds (35 // 7)
-    (8, 107, 4),   # an H200 141 GB on 8 cores: the core bound (8 // 2)
-    (128, 500, 6),  # never more than 6
+    (16, 79, 8),   # an H100 80 GB on 16 cores: the core bound (16 // 2)
+    (16, 35, 4),   # the context budget binds (35 // 8)
+    (8, 84, 4),    # an H200 141 GB on 8 cores: the core bound
+    (128, 84, 10),  # many cores: the budget's cap binds (84 // 8)
     (2, 42, 1),    # a 2-core runner: one worker
     (16, 5, 1),    # a budget smaller than one worker's pools: still one (its pools take turns)
     (1, 1, 1),
 ])
 def test_the_gate_sizes_its_workers_by_cores_and_context_budget(cores, contexts, workers):
     assert budget.gate_workers(cores, contexts) == workers
+
+
+@pytest.mark.parametrize("gib, contexts", [
+    (79.6, 79),   # an H100 80 GB: one per CONTEXT_GIB
+    (139.8, 84),  # an H200 141 GB: the GPU's limit on contexts, less the pytest processes' and child runs'
+    (0.5, 1),     # too little for one: still one (its pools take turns)
+])
+def test_the_context_budget_follows_memory_up_to_the_gpus_context_limit(gib, contexts):
+    assert budget.budget_for_memory(gib) == contexts
 
 
 @pytest.mark.parametrize("present, visible, gpus", [
