@@ -155,4 +155,4 @@ def _clean_up() -> None:
     gc.freeze()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-        release_cuda_stack()  # also a CPU rank's: fairscale and the CPU offload paths touch CUDA where it is
+        release_cuda_stack()  # after a CPU task too: fairscale and the CPU offload paths launch kernels

@@ -208,7 +208,7 @@ def test_a_result_record_comes_back_on_the_host(harness):
 
 
 def _grow_cuda_stack():
-    torch.zeros(1, device="cuda")  # a CPU rank's context is made here, as fairscale's .cuda() makes it
+    torch.zeros(1, device="cuda")  # a CPU task touches the GPU as fairscale's .cuda() does
     torch.cuda.synchronize()
     budget._libcuda().cuCtxSetLimit(budget.CU_LIMIT_STACK_SIZE, ctypes.c_size_t(1024))  # as a launch needing it does
     return budget.cuda_stack_bytes()
@@ -223,9 +223,10 @@ def _cuda_stack_bytes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): the ranks' CUDA contexts")
 @pytest.mark.parametrize("device, world_size", [("cuda", 1), ("cuda-shared", 2), ("cpu", 2)])
 def test_ranks_give_back_the_cuda_stack_reservation_after_each_task(device, world_size):
-    """A context's stack reservation is about a quarter GiB on an H100, per rank, a CPU rank that touched CUDA
-    included; CONTEXT_GIB counts the contexts without it. A task that grew the stack leaves none to the next.
-    On the session's pools: more pools in this module's harness would be more for its teardown to close."""
+    """A context's stack reservation is about a quarter GiB on an H100, per rank, after a CPU task that touched
+    CUDA too (it runs in the GPU's gloo ranks: ranks.pool_key); CONTEXT_GIB counts the contexts without it. A
+    task that grew the stack leaves none to the next. On the session's pools: more pools in this module's
+    harness would be more for its teardown to close."""
     assert run_on_ranks(_grow_cuda_stack, world_size=world_size, device=device) == [1024] * world_size
     assert run_on_ranks(_cuda_stack_bytes, world_size=world_size, device=device) == [0] * world_size, \
         "a rank kept its CUDA stack reservation after a task (rank_process._clean_up: budget.release_cuda_stack)"
