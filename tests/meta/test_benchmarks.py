@@ -149,11 +149,15 @@ def _cmdline(pid: int) -> str:
         return f.read()
 
 
-def test_gpu_processes_without_nvidia_smi_says_so(tmp_path):
+@pytest.mark.parametrize("module, args, says", [
+    ("benchmarks.gpu_processes", ["{tmp}/out.csv", "1"], "benchmarks.gpu_processes needs nvidia-smi"),
+    ("benchmarks.context_count", [], "benchmarks.context_count needs a GPU"),
+])
+def test_a_gpu_benchmark_without_nvidia_smi_says_so(tmp_path, module, args, says):
     env = dict(clean_env(), PATH=str(tmp_path))  # no nvidia-smi on it, whatever the machine
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_processes", str(tmp_path / "out.csv"), "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "benchmarks.gpu_processes needs nvidia-smi" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", module, *(a.format(tmp=tmp_path) for a in args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and says in proc.stderr, proc.stderr
 
 
 def test_context_count_counts_the_contexts_held_until_the_first_failure(tmp_path, monkeypatch, capsys):
@@ -175,10 +179,3 @@ sys.stdin.read()
         "max_contexts=5; process 6 failed: cuDevicePrimaryCtxRetain returned CUresult 2, with 4321 MiB of GPU "
         "memory in use")
     assert len(os.listdir(tmp_path)) == 8, "it stops at the third failure"
-
-
-def test_context_count_without_nvidia_smi_says_so(tmp_path):
-    env = dict(clean_env(), PATH=str(tmp_path))  # no nvidia-smi on it, whatever the machine
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.context_count"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 1 and "benchmarks.context_count needs a GPU" in proc.stderr, proc.stderr
