@@ -52,10 +52,10 @@ fi
 # the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
 # the slow meta-tests (planted defects, adoption, torchrun, the child runs in test_options and
 # test_versions_table) are CPU work, run by ci/cpu.sh.
-# Order: xdist's default hands each worker a block of consecutive tests, so the meta-tests' long child runs,
-# collected last, would start last and be the gate's tail; tests/meta first with one test per send starts them at
-# once on different workers.
+# Order: one test per send hands out tests in collection order, so the run ends with the tests collected last.
+# Longest first: the meta-tests' child runs, then the standalone repros' forked runs, then the matrix's short cases
+# last, which fill the workers' ends evenly.
 # the standalone repros' runs are recorded for docs/upstream/runs.json (python -m tests.upstream.reports --merge)
 FSDP_AMP_STANDALONE_RECORD="$OUT/standalone-runs" \
-python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/conformance tests/matrix tests/repro tests/upstream \
+python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/upstream tests/repro tests/conformance tests/matrix \
   --require-gpu -p benchmarks.cputime --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"
