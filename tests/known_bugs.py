@@ -463,14 +463,16 @@ KNOWN_BUGS = [
          title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it",
          reach=Reach(REACHABLE, "fp16 autocast at the default init_scale 65536: the first scaled backward overflows by itself, "
                      "the next are clean, and fused SGD ends all NaN", run="--real-overflow")),
-    _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX, FUSED},
+    _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX, FUSED, PROTOCOL},
          "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
-         "which on an inf replaces found_inf with torch.tensor([1.0]), shape [1]; a fused optimizer (AdamW "
-         "fused=True; fused Adam and Adagrad alike: each keeps a shape-[] step counter) then raises at the first "
-         "overflow: RuntimeError: output with shape [] doesn't match the broadcast shape [1] (seen on 2.4.1; "
-         "2.5.1 has the same code, 2.6.0 unscales CPU grads with torch._amp_foreach_non_finite_check_and_unscale_)",
+         "which on an inf replaces found_inf with torch.tensor([1.0]), shape [1]; an optimizer that handles "
+         "scaling is handed that shape-[1] found_inf, and a fused one (AdamW fused=True; fused Adam and Adagrad "
+         "alike: each keeps a shape-[] step counter) raises at the first overflow: RuntimeError: output with shape "
+         "[] doesn't match the broadcast shape [1] (seen on 2.4.0 and 2.4.1; 2.5.1 has the same code, 2.6.0 "
+         "unscales CPU grads with torch._amp_foreach_non_finite_check_and_unscale_)",
          when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload"))
-                                    if "cell" in params else where(fused=STEP_COUNTER_FUSED, placement="cpu"))(params, cuda),
+                                    if "cell" in params else where(value=float("inf"), placement="cpu")
+                                    if "value" in params else where(fused=STEP_COUNTER_FUSED, placement="cpu"))(params, cuda),
          torch="<2.6",
          title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow",
          reach=Reach(REACHABLE, "torch < 2.6: FSDP1 fp16 on CPU at the default scale, whose first scaled backward overflows by "

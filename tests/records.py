@@ -43,16 +43,24 @@ class Record:
     bug_any_version: str | None = None
     xfails_file: str | None = None
     reason: str | None = None
+    deaths: tuple = ()  # a failed check whose ranks died: tests/harness/failures.py Death.as_data() of each
+    rerun: str | None = None  # the command that reruns it alone, in fresh ranks (set where ranks died)
 
     def as_data(self) -> dict:
         return dataclasses.asdict(self)  # a Cell family becomes {precision, offload}
+
+    @property
+    def died_in_upstream_code(self) -> bool:
+        """Every rank that died did so in torch's or fairscale's code: a crash of theirs, not a scaler verdict."""
+        return bool(self.deaths) and all(d["owner"] != "other" for d in self.deaths)
 
     @classmethod
     def from_data(cls, data: dict) -> Record:
         """From as_data's dict, or from a test's user_properties (tests/report.py label) plus id and outcome."""
         known = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
         family = known["family"]
-        return cls(**dict(known, family=Cell(**family) if isinstance(family, dict) else family))
+        return cls(**dict(known, family=Cell(**family) if isinstance(family, dict) else family,
+                          deaths=tuple(known["deaths"] or ())))
 
 
 @dataclass(frozen=True)

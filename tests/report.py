@@ -15,10 +15,13 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shlex
 
 import pytest
 
 from tests import versions, xfails
+from tests.harness.failures import Death, RankDied
+from tests.matrix import implementations
 from tests.records import OUTCOMES, Bug, Cell, Record, Report, Unmatched, heading, table
 from tests.known_bugs import KNOWN_BUGS
 from tests.scalers import BUILTINS
@@ -73,6 +76,30 @@ def label(item) -> None:
     else:
         props += [("family", item.path.name)]
     item.user_properties += props
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A check whose ranks died carries how each died and the command that reruns it alone (the report's
+    "Rank deaths"): a crash in torch's code reads apart from a check that failed."""
+    rep = yield
+    died = call.excinfo and isinstance(call.excinfo.value, RankDied) and call.excinfo.value.deaths
+    if died:
+        rep.user_properties = [*rep.user_properties, ("deaths", [d.as_data() for d in died]),
+                               ("rerun", rerun_command(item))]
+    return rep
+
+
+def rerun_command(item) -> str:
+    """The command that reruns this check alone, in fresh ranks, from any directory."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    cmd = ["python", "-m", "pytest", "--isolate-ranks", "-p", "no:xdist", f"{item.path}::{item.name}"]
+    if params.get("scaler") not in (None, *BUILTINS):
+        cmd += ["--scaler", params["scaler"]]
+    impl = getattr(params.get("cell"), "impl", None)
+    if impl is not None and impl not in implementations.BUILTINS:
+        cmd += ["--fsdp", impl]
+    return shlex.join(cmd)
 
 
 def _outcome(report) -> str | None:
@@ -158,7 +185,11 @@ def headline(recs: list[Record], exitstatus: int = 0) -> str:
     total = collections.Counter(r.outcome for r in recs)
     counts = ", ".join(f"{total[o]} {o}" for o in OUTCOMES) + " (every collected test)"
     if total["failed"]:
-        return f"UNEXPECTED OUTCOMES: {total['failed']} failed (failures, errors or strict xfails that passed); {counts}"
+        theirs = sum(r.outcome == "failed" and r.died_in_upstream_code for r in recs)
+        crashes = (f", {theirs} of them a rank that died in torch's or fairscale's code, not a scaler verdict "
+                   f"(Rank deaths, below)") if theirs else ""
+        return (f"UNEXPECTED OUTCOMES: {total['failed']} failed (failures, errors or strict xfails that passed"
+                f"{crashes}); {counts}")
     if int(exitstatus) != 0:
         meaning = EXIT_MEANINGS.get(int(exitstatus), "non-zero")
         return f"UNEXPECTED OUTCOMES: pytest exits {int(exitstatus)} ({meaning}); {counts}"
@@ -194,6 +225,13 @@ def render(recs: list[Record], markdown: bool, exitstatus: int = 0, about: dict 
     for title, head, rows in tables(recs):
         lines += [heading(title, markdown)] + table(head, rows, markdown) + [""]
     lines.append("cells: passed/failed/xfailed/skipped (failed includes errors and strict xfails that passed)")
+    died = [r for r in recs if r.deaths and r.outcome == "failed"]
+    if died:
+        lines += ["", heading("Rank deaths (a rank process died: in torch's or fairscale's code, not a scaler verdict)",
+                              markdown)]
+        for r in died:
+            whose = "torch's or fairscale's code" if r.died_in_upstream_code else "a verdict on the scaler"
+            lines.append(f"- {r.nodeid}: {'; '.join(_death_line(d) for d in r.deaths)} ({whose}); rerun: {r.rerun}")
     bugs = known_bugs(recs)
     if bugs:
         lines += ["", heading("Known upstream bugs (strict xfails)" if markdown else "known upstream bugs (strict xfails)",
@@ -204,6 +242,10 @@ def render(recs: list[Record], markdown: bool, exitstatus: int = 0, about: dict 
         lines += ["", heading("--xfails-file entries that match no test of this run", markdown)]
         lines += [f"- line {e.line}: {e.check}" for e in stale]
     return "\n".join(lines) + "\n"
+
+
+def _death_line(d: dict) -> str:
+    return str(Death(**d))
 
 
 def as_data(recs: list[Record], exitstatus: int, about: dict, stale: tuple = ()) -> dict:

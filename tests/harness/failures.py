@@ -2,6 +2,11 @@
 other part of the harness can raise them without importing another part."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+import re
+
 
 class RankFailure(Exception):
     """A task failed on one or more ranks. Data, not just a message:
@@ -41,7 +46,62 @@ class RankRaised(RankFailure):
 
 
 class RankDied(RankFailure):
-    pass
+    """`deaths`: a Death per rank that died, for the report (a death in torch's code is not a scaler verdict)."""
+
+    def __init__(self, what: str, ranks: dict | None = None, others: dict | None = None,
+                 world_size: int | None = None, deaths: tuple = ()):
+        self.deaths = tuple(deaths)
+        super().__init__(what, ranks, others, world_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Death:
+    """How one rank died: `how` its signal ("SIGABRT") or "exit code N"; `frame` the innermost Python frame of its
+    faulthandler stack ("torch/distributed/_functional_collectives.py:203 all_gather_tensor"; "" where it printed
+    none); `owner` whose code that frame is: "torch", "fairscale", or "other" (the suite, the scaler under test,
+    anything else). Only a death in torch's or fairscale's code is theirs; any other can be the scaler's."""
+    rank: int
+    how: str
+    frame: str = ""
+    owner: str = "other"
+
+    def __str__(self) -> str:
+        where = f" in {self.owner}'s code at {self.frame}" if self.frame and self.owner != "other" else (
+            f" at {self.frame}" if self.frame else " (no Python stack printed)")
+        return f"rank {self.rank} {self.how}{where}"
+
+    def as_data(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
+_OWNERS = ("torch", "fairscale")  # the top-level packages whose own crash is not the scaler's
+
+
+def death(rank: int, exitcode: int | None, stack: str) -> Death:
+    """A Death from a dead rank's exit code (negative: the signal) and its faulthandler output: the first frame of
+    the "Current thread" block (faulthandler's "most recent call first"), else of the first block."""
+    import signal
+
+    how = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+    current = stack.find("Current thread")
+    match = _FRAME.search(stack, current if current >= 0 else 0)
+    if match is None:
+        return Death(rank, how)
+    path, owner = match["path"], "other"
+    for pkg, root in _package_roots().items():
+        if path.startswith(root + os.sep):
+            path, owner = os.path.join(pkg, os.path.relpath(path, root)), pkg
+    return Death(rank, how, f"{path}:{match['line']} {match['func']}", owner)
+
+
+@functools.cache
+def _package_roots() -> dict:
+    """{package: the directory it is imported from} for the installed _OWNERS."""
+    import importlib.util
+
+    specs = {pkg: importlib.util.find_spec(pkg) for pkg in _OWNERS}
+    return {pkg: os.path.dirname(spec.origin) for pkg, spec in specs.items() if spec and spec.origin}
 
 
 class RankHung(RankFailure):

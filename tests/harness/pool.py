@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Callable, Union
 
-from tests.harness.failures import RankDied, RankFailure, RankHung, RankRaised
+from tests.harness.failures import RankDied, RankFailure, RankHung, RankRaised, death
 from tests.harness.rank_process import rank_main
 from tests.harness.task import Issued, Outcome, Ready, Stop, Task, rank_device, values
 
@@ -144,8 +144,9 @@ class RankPool:
                 stacks = self._stacks(got, offsets, dead)
                 lines = {r: f"exit code {c}" + (f" ({signal.Signals(-c).name})" if c and c < 0 else "")
                          for r, c in dead.items()}
+                deaths = tuple(death(r, c, stacks.get(r, "")) for r, c in sorted(dead.items()))
                 raise RankDied("died", {r: f"{lines[r]}\n{stacks.pop(r, '')}" for r in dead},
-                               {**stacks, **_errors(got)}, self.world_size)
+                               {**stacks, **_errors(got)}, self.world_size, deaths)
             finished = {r: getattr(m, "sequences", None) for r, m in got.items()}
             unmatched = {r: w for r, m in issued.items()
                          if r not in got and (w := unmatched_collective(r, m.sequences, finished))}

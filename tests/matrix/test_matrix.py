@@ -7,15 +7,14 @@ A failure names the first step, rank and quantity where FSDP and DDP diverged, a
 that reruns exactly that cell in fresh processes.
 """
 import math
-import shlex
 
 import pytest
 import torch
 
 from tests.harness import run_on_ranks
-from tests.matrix import axes, implementations
+from tests.matrix import axes
 from tests.matrix.cell import INPUT_INF_STEP, OVERFLOW_STEP, RESUME_AFTER, injections, scaler_args, train_cell
-from tests.scalers import BUILTINS as BUILTIN_SCALERS
+from tests.report import rerun_command
 
 pytestmark = pytest.mark.matrix
 
@@ -42,7 +41,7 @@ def test_fsdp_matches_ddp(cell, scaler, request):
         pytest.skip(out[0].unsupported)
     problem = cell_problem(cell, out)
     if problem:
-        pytest.fail(f"{problem}\n\n{step_table(out)}\n\nrerun this cell alone:\n  {rerun_command(request, cell, scaler)}",
+        pytest.fail(f"{problem}\n\n{step_table(out)}\n\nrerun this cell alone:\n  {rerun_command(request.node)}",
                     pytrace=False)
 
 
@@ -182,11 +181,3 @@ def step_table(out) -> str:
     return "\n".join(lines)
 
 
-def rerun_command(request, cell, scaler) -> str:
-    cmd = ["python", "-m", "pytest", "--isolate-ranks", "-p", "no:xdist", str(request.path), "-k",
-           request.node.callspec.id]
-    if scaler not in BUILTIN_SCALERS:
-        cmd += ["--scaler", scaler]
-    if cell.impl not in implementations.BUILTINS:
-        cmd += ["--fsdp", cell.impl]
-    return shlex.join(cmd)

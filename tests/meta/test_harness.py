@@ -292,6 +292,8 @@ def test_segfaulting_rank_fails_with_its_stack_and_pool_is_rebuilt(harness):
         harness.run(_segfault_on, 1, world_size=2, timeout=60)
     text = str(info.value)
     assert "SIGSEGV" in text and "Segmentation fault" in text and "_segfault_on" in text
+    (died,) = info.value.deaths  # for the report: how, where, and whose code (ctypes: not torch's)
+    assert (died.rank, died.how, died.owner) == (1, "SIGSEGV", "other") and died.frame.endswith(" string_at"), died
     after = [o["pid"] for o in harness.run(_identity, "after", world_size=2)]
     assert set(before).isdisjoint(after)
     for pid in before:  # the old ranks are gone, not orphaned

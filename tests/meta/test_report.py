@@ -3,7 +3,10 @@ checks it has a column for), and its headline says so whenever anything is unexp
 import json
 from types import SimpleNamespace
 
+import torch
+
 from tests import report
+from tests.harness.failures import death
 from tests.child_run import ROOT
 from tests.records import Cell, Report
 
@@ -122,3 +125,41 @@ def test_xfails_file_entries_match_a_test_or_every_param_of_a_function(tmp_path)
     stale = xfails.unmatched(entries, ran)
     assert [e.check for e in stale] == ["tests/a.py::test_gone"]
     assert "line 5: tests/a.py::test_gone" in report.render([], markdown=False, stale=stale)
+
+
+TORCH_DIR = torch.__path__[0]
+ABORT_IN_GLOO = f"""malloc(): unaligned fastbin chunk detected
+Fatal Python error: Aborted
+
+Thread 0x00007f3a (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 355 in wait
+
+Current thread 0x00007f3b (most recent call first):
+  File "{TORCH_DIR}/distributed/_functional_collectives.py", line 203 in all_gather_tensor
+  File "{ROOT}/tests/matrix/cell.py", line 240 in full_params
+"""
+
+
+def test_a_rank_death_is_read_from_its_faulthandler_stack():
+    """The current thread's innermost frame, and whose code it is: torch's (not a scaler verdict) or anyone else's."""
+    assert str(death(1, -6, ABORT_IN_GLOO)) == ("rank 1 SIGABRT in torch's code at "
+                                                "torch/distributed/_functional_collectives.py:203 all_gather_tensor")
+    ours = death(0, -11, ABORT_IN_GLOO.replace(f"{TORCH_DIR}/distributed/_functional_collectives.py",
+                                               f"{ROOT}/scaler_impl/scaler.py"))
+    assert (ours.owner, ours.frame) == ("other", f"{ROOT}/scaler_impl/scaler.py:203 all_gather_tensor")
+    assert str(death(0, 7, "")) == "rank 0 exit code 7 (no Python stack printed)"
+
+
+def test_a_rank_that_died_in_torch_is_told_apart_from_a_failed_check():
+    theirs = [death(1, -6, ABORT_IN_GLOO).as_data()]
+    recs = report.records([rep("a", "failed", deaths=theirs, rerun="python -m pytest a"), rep("b", "failed"),
+                           rep("c", "failed", deaths=[death(0, -11, "").as_data()], rerun="python -m pytest c")])
+    text = report.render(recs, markdown=False)
+    assert text.startswith("UNEXPECTED OUTCOMES: 3 failed (failures, errors or strict xfails that passed, 1 of them "
+                           "a rank that died in torch's or fairscale's code, not a scaler verdict")
+    assert ("- a: rank 1 SIGABRT in torch's code at torch/distributed/_functional_collectives.py:203 all_gather_tensor "
+            "(torch's or fairscale's code); rerun: python -m pytest a") in text
+    assert "- c: rank 0 SIGSEGV (no Python stack printed) (a verdict on the scaler); rerun: python -m pytest c" in text
+    assert "- b:" not in text  # a check that failed, no rank died
+    back = Report.from_data(json.loads(json.dumps(report.as_data(recs, 1, {}))))
+    assert back.records == tuple(recs)
