@@ -10,7 +10,7 @@ import pytest
 from hypothesis import Phase, settings
 
 from tests import options, xfails
-from tests.harness import ranks
+from tests.harness import copies, ranks
 from tests.matrix import implementations
 from tests.expectations import Machine, ReproOf, expectation
 from tests.scalers import BUILTINS, resolve, spec_id
@@ -120,10 +120,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=expected.skip))
         elif expected.xfail:
             item.add_marker(pytest.mark.xfail(strict=True, reason=expected.xfail, raises=expected.raises))
+        if expected.race_free and not expected.skip:
+            item.add_marker(pytest.mark.race_free(expected.race_free))
         # the report's record of the check (tests/records.py Record): which bug or entry it xfails on
         item.user_properties += [(name, value) for name, value in (
             ("bug", expected.bug), ("xfails_file", expected.xfails_file),
             ("bug_any_version", expected.bug_any_version)) if value]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A race-free check (tests/expectations.py rule 2) runs with every copy blocking, in its ranks too."""
+    if item.get_closest_marker("race_free") is None:
+        return (yield)
+    with copies.blocking_copies():
+        return (yield)
 
 
 def _params(item) -> dict:

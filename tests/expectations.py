@@ -9,8 +9,9 @@ from the tables; tests/meta/test_expectations.py tests the policy as a table.
 The policy, in order:
 1. A cell this machine cannot run (tests/matrix/axes.py skip_reason), or a repro case whose hardware is
    missing: skip.
-2. A built-in scaler's cell made timing-dependent by a race (KNOWN_BUGS async-copy-race-busy-gpu): skip,
-   unless the known bug there shows whatever the race does (`beats_race`).
+2. A built-in scaler's check made timing-dependent by a race (KNOWN_BUGS async-copy-race-busy-gpu) runs race-free
+   (`race_free`: the harness makes its copies blocking, tests/harness/copies.py) and is judged by rules 3-6,
+   unless the known bug there shows whatever the race does (`beats_race`): that check runs as it stands.
 3. A known bug in force on these versions: strict xfail with the bug's reason.
 4. The consumer's --xfails-file entry: strict xfail.
 5. A standalone repro's run (tests/repro/test_standalone.py, params `standalone` and `mode`): skip where the
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from tests import versions
-from tests.known_bugs import known_bug, race_skip_reason, repro_bug, standalone_files
+from tests.known_bugs import known_bug, race_reason, repro_bug, standalone_files
 from tests.matrix import axes
 
 NEEDS = {
@@ -71,6 +72,7 @@ class Expectation:
     xfails_file: str | None = None      # the --xfails-file entry behind xfail
     bug_any_version: str | None = None  # the check's known bug on any version (the version table)
     raises: type | None = None          # the one exception that counts as the xfail (None: any)
+    race_free: str | None = None        # why the check runs with its copies made blocking (rule 2): the race
 
 
 class BugShown(AssertionError):
@@ -99,22 +101,20 @@ def expectation(scaler: str | None, test: str, params: dict, *, machine: Machine
         return known_bug(scaler, test, params, machine.cuda, any_version=any_version, bugs=bugs, on=machine.versions)
 
     in_force, any_version = bug_of_check(False), bug_of_check(True)
-    race = race_skip_reason(scaler, test, params, machine.cuda)
+    race = race_reason(scaler, test, params, machine.cuda)
     if repro_of and not any_version:  # a repro case: the bug it shows; the placement it races at, if any
         in_force = repro_bug(scaler, repro_of.bugs, bugs=bugs, on=machine.versions)
         any_version = repro_bug(scaler, repro_of.bugs, any_version=True, bugs=bugs)
-        race = repro_of.placement and race_skip_reason(scaler, test, {"placement": repro_of.placement}, machine.cuda)
+        race = repro_of.placement and race_reason(scaler, test, {"placement": repro_of.placement}, machine.cuda)
         # the case shows its bug whatever the race (its author checked it on the GPU)
-        shows_in_force = shows_any_version = any_version is not None
+        shows_in_force = any_version is not None
     else:
         shows_in_force = bool(in_force and in_force.beats_race)
-        shows_any_version = bool(any_version and any_version.beats_race)
-    named = any_version.id if any_version and not (race and not shows_any_version) else None
-    if race and not shows_in_force:
-        return Expectation(skip=race, bug_any_version=named)
+    named = any_version.id if any_version else None
+    race_free = race if race and not shows_in_force else None
     if in_force:
-        return Expectation(xfail=in_force.reason, bug=in_force.id, bug_any_version=named)
-    return dataclasses.replace(their_xfail, bug_any_version=named)
+        return Expectation(xfail=in_force.reason, bug=in_force.id, bug_any_version=named, race_free=race_free)
+    return dataclasses.replace(their_xfail, bug_any_version=named, race_free=race_free)
 
 
 WITH_FIX = "with-fix"  # the standalone mode that applies the proposed fix: it must pass wherever it runs

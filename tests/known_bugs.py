@@ -567,22 +567,23 @@ def bug_by_id(bug_id: str, bugs=None) -> KnownBug:
 # The async-copy race (KNOWN_BUGS async-copy-race-busy-gpu, docs/bugs.md) makes these built-ins' results
 # timing-dependent wherever CPU grads meet a CUDA scale (or CUDA grads a CPU scale): even with an idle
 # GPU they sometimes lose the race.
-# Their outcome there can be neither passed nor strictly xfailed, so those cells are skipped for
-# them and the race is checked deterministically, with the GPU kept busy, in test_busy_gpu.py.
+# Their outcome there, as they stand, can be neither passed nor strictly xfailed, so those checks run race-free:
+# the harness makes every copy blocking (tests/harness/copies.py), and the race itself is checked
+# deterministically, with the GPU kept busy, in test_busy_gpu.py.
 RACY_SCALERS = {"torch_amp", "torch_sharded", "fairscale_sharded"}
 RACY_PLACEMENTS = GRADS_OFF_SCALE_DEVICE
 RACE_FREE_TESTS = {BUSY, "test_scale_multiplies_tensors_and_keeps_structure", "test_disabled_scaler_is_a_pass_through"}
 
 
-def race_skip_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str | None:
-    """Cells of built-ins whose outcome on a CUDA machine is not deterministic."""
+def race_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str | None:
+    """Why a built-in's check is timing-dependent on this machine as it stands (None: it is not)."""
     if not cuda:
         return None
     placement = check_param(params, "placement", cuda)
     if spec in RACY_SCALERS and placement in RACY_PLACEMENTS and test_name not in RACE_FREE_TESTS:
         return (f"{spec} on placement {placement!r} is timing-dependent (the async-copy race, known bug "
                 f"async-copy-race-busy-gpu: non_blocking CPU copies of inv_scale/found_inf used before they "
-                f"land); checked deterministically in test_busy_gpu.py")
+                f"land)")
     return None
 
 

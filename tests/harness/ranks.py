@@ -28,6 +28,7 @@ import tempfile
 import time
 import weakref
 
+from tests.harness import copies
 from tests.harness.budget import CONTEXT_GIB, GpuBudget, context_budget, profile, worker_gpus  # noqa: F401
 from tests.harness.failures import RankDied, RankFailure, RankHung, RankRaised  # noqa: F401
 from tests.harness.pool import STARTUP_TIMEOUT_S, RankPool, start_fork_server, stop_fork_server  # noqa: F401
@@ -147,6 +148,8 @@ class Harness:
         if reason:
             pytest.skip(reason)
         timeout = self.timeout if timeout is None else float(timeout)
+        if copies.requested():  # a race-free run (copies.py): the body's copies are made blocking in its ranks too
+            fn, args, kwargs = copies.call_with_blocking_copies, (fn, args, kwargs), {}
         try:
             payload = pickle.dumps((fn, args, kwargs))
         except Exception as exc:  # lambdas, closures, local classes, open handles ...

@@ -37,7 +37,7 @@ BUGS = [
 ]
 ENTRY = Entry("tests/x.py::test_check", "JIRA-12", line=3)
 UNRUNNABLE_CELL = next(c for c in axes.cells(["fsdp1"]) if c.world_size == 8)
-RACE = ("timing-dependent", "async-copy race")  # words every race skip reason has
+RACE = ("timing-dependent", "async-copy race")  # words every race reason has
 RACY_PARAMS = {"placement": "offload"}
 # (row id, scaler, test, params, machine, repro_of, their_entry) -> Expectation
 ROWS = [
@@ -55,7 +55,10 @@ ROWS = [
      Expectation(xfail="reason of amp-bug", bug="amp-bug", bug_any_version="amp-bug")),
     ("an-fsdp-bug-hits-a-plugged-scaler", "pkg.mod:factory", "test_fsdp_matches_ddp", {}, CPU, None, None,
      Expectation(xfail="reason of fsdp-bug", bug="fsdp-bug", bug_any_version="fsdp-bug")),
-    ("race-on-a-gpu-machine-skips", "torch_amp", "test_racy", RACY_PARAMS, GPU, None, None, Expectation(skip=RACE)),
+    ("race-on-a-gpu-machine-runs-race-free-and-its-bug-is-an-xfail", "torch_amp", "test_racy", RACY_PARAMS, GPU, None,
+     None, Expectation(xfail="reason of racy-bug", bug="racy-bug", bug_any_version="racy-bug", race_free=RACE)),
+    ("race-on-a-gpu-machine-runs-race-free-and-must-pass-without-a-bug", "fairscale_sharded", "test_racy",
+     RACY_PARAMS, GPU, None, None, Expectation(race_free=RACE)),
     ("no-race-without-cuda", "torch_amp", "test_racy", RACY_PARAMS, CPU, None, None,
      Expectation(xfail="reason of racy-bug", bug="racy-bug", bug_any_version="racy-bug")),
     ("a-bug-that-beats-the-race-is-an-xfail", "torch_sharded", "test_racy", RACY_PARAMS, GPU, None, None,
@@ -76,7 +79,7 @@ ROWS = [
      ReproOf(("repro-bug",), needs="dtensor"), None,
      Expectation(xfail="reason of repro-bug", bug="repro-bug", bug_any_version="repro-bug")),
     ("repro-case-races-for-a-scaler-without-its-bug", "torch_sharded", "test_repro", {}, GPU,
-     ReproOf(("repro-bug",), placement="offload"), None, Expectation(skip=RACE)),
+     ReproOf(("repro-bug",), placement="offload"), None, Expectation(race_free=RACE)),
     ("standalone-bug-in-force-is-an-xfail-that-only-its-bug-satisfies", None, "test_standalone_repro_shows_no_bug",
      {"standalone": "repro-bug", "mode": "plain"}, CPU, None, None,
      Expectation(xfail="reason of repro-bug", bug="repro-bug", bug_any_version="repro-bug", raises=BugShown)),
@@ -110,6 +113,9 @@ def test_the_policy(spec, test, params, machine, repro_of, their_entry, want):  
         assert (got.xfail, got.bug, got.xfails_file) == (None, None, None), f"a skip is only a skip: {got}"
         # a check that skips for a race never counts for its bug in the version table (nor "fixed" there)
         assert got.bug_any_version == want.bug_any_version, got
+    elif isinstance(want.race_free, tuple):  # likewise the race a race-free run closes
+        assert got.race_free and all(w in got.race_free for w in want.race_free), got
+        assert dataclasses.replace(got, race_free=want.race_free) == want, got
     else:
         assert got == want
 

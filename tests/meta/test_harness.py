@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import Harness, RankDied, RankHung, RankRaised, missing_requirement
+from tests.harness.copies import blocking_copies
 from tests.harness.ranks import pool_key
 from tests.harness.pool import PEER_GRACE_S, unmatched_collective
 from tests.harness.task import Task, run_task
@@ -427,3 +428,36 @@ def test_missing_cuda_or_gpus_is_a_skip_with_a_reason():
     else:
         assert reason is None
     assert missing_requirement(2, "cpu") is None
+
+
+# ---------------------------------------------------------------- race-free runs (copies.py)
+
+class _Recorder(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "non_blocking" in kwargs:
+            self.seen.append(kwargs["non_blocking"])
+        return func(*args, **kwargs)
+
+
+def _copies_made():
+    with _Recorder() as recorder:  # inside the task's own mode: what the body asked for
+        torch.ones(2).to("cpu", non_blocking=True)
+    blocking = any(type(m).__name__ == "BlockingCopies" for m in torch.overrides._get_current_function_mode_stack())
+    return recorder.seen, blocking
+
+
+def test_blocking_copies_make_every_non_blocking_copy_blocking_here_and_in_the_ranks(harness):
+    with _Recorder() as recorder:  # outside blocking_copies' mode: what reaches torch
+        with blocking_copies():
+            torch.ones(2).to("cpu", non_blocking=True)
+            torch.zeros(2).copy_(torch.ones(2), non_blocking=True)
+            in_ranks = harness.run(_copies_made, world_size=2)
+        torch.ones(2).to("cpu", non_blocking=True)  # after it: as asked
+    assert recorder.seen == [False, False, True]
+    assert in_ranks == [([True], True), ([True], True)]  # the body's own calls, under the task's blocking mode
+    assert harness.run(_copies_made, world_size=2) == [([True], False), ([True], False)]  # a task without it

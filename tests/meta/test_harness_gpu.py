@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tests.child_run import ROOT
 from tests.harness import Harness, RankFailure, budget, rank_device, run_on_ranks
+from tests.harness.copies import blocking_copies
 from tests.meta.sessions.children import SESSIONS, child_env
 
 pytestmark = pytest.mark.harness
@@ -280,3 +281,27 @@ def test_the_gate_counts_the_gpus_cuda_visible_devices_leaves(present, visible, 
 def test_gate_workers_refuses_a_machine_with_nothing():
     with pytest.raises(ValueError, match="gate_workers\\(cores=0, contexts=42\\): both must be at least 1"):
         budget.gate_workers(0, 42)
+
+
+def _early_reads(trials: int) -> int:
+    """Trials in which a non_blocking CUDA -> CPU copy, queued behind a busy GPU's matmuls, is read before it lands."""
+    early = 0
+    for _ in range(trials):
+        a = torch.ones(4096, 4096, device="cuda") / 4096
+        for _ in range(8):
+            a = a @ a  # the GPU is busy for milliseconds; nothing here waits for it
+        value = torch.full((), 3.0, device="cuda") + a[0, 0] * 0  # ready only after the matmuls
+        early += value.to("cpu", non_blocking=True).item() != 3.0
+        torch.cuda.synchronize()
+    return early
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): the async-copy race lives there")
+def test_blocking_copies_close_the_async_copy_race_window(harness):
+    """The race-free runs (tests/expectations.py rule 2) really close the window: read early without, never with."""
+    trials = 5
+    assert harness.run(_early_reads, trials, world_size=1, device="cuda")[0] > 0, \
+        "no early read without blocking copies: this check cannot tell the window closed"
+    with blocking_copies():
+        assert harness.run(_early_reads, trials, world_size=1, device="cuda")[0] == 0

@@ -21,7 +21,7 @@ GPU and the grads on CPU, and the upstream scalers copy inv_scale/found_inf betw
 non_blocking=True and use the copy before it has surely landed (the async-copy race, KNOWN_BUGS
 async-copy-race-busy-gpu). With the GPU idle at step(), as here (fairscale's backward ends by
 synchronizing its grad copies), 0 of 20 trials missed on the H200, but the suite treats such cells as
-timing-dependent (tests/known_bugs.py race_skip_reason), so for those scalers repro 1 checks only what the
+timing-dependent (tests/known_bugs.py race_reason), so for those scalers repro 1 checks only what the
 issue's crash was about: no exception and a finite loss (tests/conformance/test_busy_gpu.py checks the
 race on purpose). Needs one GPU; skips without one.
 
@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.harness import run_on_ranks
-from tests.known_bugs import race_skip_reason
+from tests.known_bugs import race_reason
 from tests.repro.runner import Outcome, case
 from tests.scalers import make_scaler
 
@@ -171,7 +171,7 @@ def _outcome(out, steps, timing_dependent=False):
 def test_scaler_cpu_offload(scaler):
     out = run_on_ranks(_test_scaler_cpu_offload, scaler, world_size=1, device="cuda")[0]
     # the suite's own table says which built-ins race here (scale on CUDA, grads on CPU: placement "offload")
-    racy = race_skip_reason(scaler, "test_scaler_cpu_offload", {"placement": "offload"}, cuda=True)
+    racy = race_reason(scaler, "test_scaler_cpu_offload", {"placement": "offload"}, cuda=True)
     return _outcome(out, 1, timing_dependent=bool(racy))
 
 
