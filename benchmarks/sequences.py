@@ -1,4 +1,4 @@
-"""Speed of the stateful contract test (tests/conformance/test_sequences.py): examples per second.
+"""Speed of the stateful contract test (tests/conformance/sequences.py): examples per second.
 
     python -m benchmarks.sequences [--scaler ours] [--placement cpu] [--examples 40] [--steps 30]
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import conftest  # noqa: F401  (registers the Hypothesis profiles)
-from tests.conformance import test_sequences
+from tests.conformance import sequences
 from tests.conformance.calls import GROUPS, Backward
 from tests.harness import shutdown_pools
 
@@ -27,7 +27,7 @@ def main():
     args = ap.parse_args()
     counted = {"sequences": 0, "calls": 0}
 
-    class Counted(test_sequences.ScalerContract):
+    class Counted(sequences.ScalerContract):
         def teardown(self):
             counted["sequences"] += bool(self.sequence)
             counted["calls"] += len(self.sequence)
@@ -37,8 +37,8 @@ def main():
     for groups in GROUPS:
         config = dict(init_scale=2.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1, n_optimizers=1,
                       groups=groups)
-        test_sequences.check_sequence(args.scaler, args.placement, config, [Backward()],
-                                      test_sequences.expected_facts(config, [Backward()]))
+        sequences.check_sequence(args.scaler, args.placement, config, [Backward()],
+                                      sequences.expected_facts(config, [Backward()]))
     budget = settings(settings.get_profile("ci"), max_examples=args.examples, stateful_step_count=args.steps,
                       deadline=None, suppress_health_check=[HealthCheck.too_slow])
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import time
 
 from benchmarks.cputime import tree_cpu
 from tests.known_bugs import standalone_files
-from tests.upstream.test_standalone import PLAIN, run_file
+from tests.upstream.runs import PLAIN, run_file
 
 
 def measured(stem: str, python) -> tuple[float, float, tuple]:

@@ -8,6 +8,9 @@ fixed in torch N is `torch="<N"`, so on N its checks are expected to pass. Local
 from __future__ import annotations
 
 import functools
+import re
+import subprocess
+import sys
 from importlib import metadata
 from typing import Mapping
 
@@ -61,3 +64,29 @@ def describe() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "fairscale": str(installed("fairscale")) if installed("fairscale") else None,
             "cuda": cuda, "gpus": gpus}
+
+
+@functools.cache
+def import_problem(package: str) -> str | None:
+    """Why an installed package does not import, in one line (None: it imports): the import error and the versions
+    involved. The framework checks (tests/conformance/test_frameworks.py) skip with that line, as they do where
+    the framework is missing: a runner's broken environment is not a verdict on the scaler, and pytest -rs prints
+    one line for all of them. Asked once per process, in a child process (accelerate and Lightning keep
+    process-wide state)."""
+    proc = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0:
+        return None
+    error = ([line for line in proc.stderr.splitlines() if line.strip()] or [f"exit code {proc.returncode}"])[-1]
+    named = re.findall(r"""(?:No module named|from|module) '([\w.]+)'""", error)
+    involved = dict.fromkeys([package, "torch", *(m.split(".")[0] for m in named)])
+    return (f"{package} is installed but does not import ({error.strip()}); versions: "
+            + ", ".join(f"{name} {_version(name)}" for name in involved)
+            + ": fix the environment (pip install -r requirements-integrations.txt) or uninstall it")
+
+
+def _version(module: str) -> str:
+    dists = metadata.packages_distributions().get(module, [module])
+    try:
+        return metadata.version(dists[0])
+    except metadata.PackageNotFoundError:
+        return "(not installed)"

@@ -304,3 +304,13 @@ def step_with_rank1_without_grads(spec, placement, bad=False):
     s.step(opt)
     s.update()
     return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
+
+
+def keep_gpu_busy(matmuls: int = 8, n: int = 4096) -> None:
+    """Queue matmuls on the current stream and return at once (nothing here waits for them): ~20 ms on an idle
+    H100, tens of times the CPU's path from here to the unscale kernel, and longer on a GPU others share."""
+    a = torch.ones(n, n, device="cuda") / n
+    b = torch.empty_like(a)
+    for _ in range(matmuls):
+        torch.mm(a, a, out=b)
+        a, b = b, a

@@ -15,10 +15,10 @@ either way). Taking the GPU alone would make every other worker's GPU work wait 
 import math
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import Problem, build_scaler, equal_lists, device_mode, placement_params, sgd
+from tests.conformance.problem import (Problem, build_scaler, equal_lists, device_mode, keep_gpu_busy,
+                                      placement_params, sgd)
 from tests.harness import run_on_ranks
 
 pytestmark = [pytest.mark.conformance, pytest.mark.gpu]
@@ -27,16 +27,6 @@ REPORT_COLUMN = "busy GPU"  # the compatibility report's column for these checks
 # 19 or 20 of 20), so five trials all miss it with odds below 1e-6; each trial waits out its queued matmuls on a GPU
 # the other workers share, which is most of this file's time.
 TRIALS = 5
-
-
-def keep_gpu_busy(matmuls: int = 8, n: int = 4096) -> None:
-    """Queue matmuls on the current stream and return at once (nothing here waits for them): ~20 ms on an idle
-    H100, tens of times the CPU's path from here to the unscale kernel, and longer on a GPU others share."""
-    a = torch.ones(n, n, device="cuda") / n
-    b = torch.empty_like(a)
-    for _ in range(matmuls):
-        torch.mm(a, a, out=b)
-        a, b = b, a
 
 
 def _busy_trials(spec, placement, bad, trials):

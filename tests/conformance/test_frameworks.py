@@ -9,19 +9,15 @@ rounding to tolerate. accelerate and Lightning are test dependencies (requiremen
 is missing its check skips and says so. Both run fp16 loss scaling on CPU too, but FSDP only on a GPU: the FSDP
 variants (one rank, the harness's process group) skip elsewhere.
 """
-import functools
-import importlib.metadata
 import importlib.util
 import os
-import re
-import subprocess
-import sys
 import tempfile
 
 import pytest
 import torch
 
 from tests.harness import Harness
+from tests.versions import import_problem
 
 pytestmark = pytest.mark.conformance
 REPORT_COLUMN = "frameworks"  # the compatibility report's column for these checks (tests/report.py)
@@ -35,31 +31,6 @@ FRAMEWORKS = {"plain": (None, None), "accelerate": ("accelerate", None), "accele
               "lightning-fsdp": ("lightning", 1)}
 NO_CPU_FSDP = ("accelerate and Lightning wrap a model in FSDP only on a GPU (accelerate: FSDP is a multi-GPU "
                "distributed type; Lightning: 'The strategy `fsdp` requires a GPU accelerator')")
-
-
-@functools.cache
-def import_problem(package: str) -> str | None:
-    """Why an installed framework does not import, in one line (None: it imports): the import error and the versions
-    involved. Its checks skip with that line, as they do where the framework is missing: a runner's broken
-    environment is not a verdict on the scaler, and pytest -rs prints one line for all of them. Asked once per
-    process, in a child process (accelerate and Lightning keep process-wide state)."""
-    proc = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True, text=True, timeout=300)
-    if proc.returncode == 0:
-        return None
-    error = ([line for line in proc.stderr.splitlines() if line.strip()] or [f"exit code {proc.returncode}"])[-1]
-    named = re.findall(r"""(?:No module named|from|module) '([\w.]+)'""", error)
-    involved = dict.fromkeys([package, "torch", *(m.split(".")[0] for m in named)])
-    return (f"{package} is installed but does not import ({error.strip()}); versions: "
-            + ", ".join(f"{name} {_version(name)}" for name in involved)
-            + ": fix the environment (pip install -r requirements-integrations.txt) or uninstall it")
-
-
-def _version(module: str) -> str:
-    dists = importlib.metadata.packages_distributions().get(module, [module])
-    try:
-        return importlib.metadata.version(dists[0])
-    except importlib.metadata.PackageNotFoundError:
-        return "(not installed)"
 
 
 def _data(device) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from tests.harness import Harness, RankFailure
 from tests.matrix import axes
 from tests.matrix.cell import train_cell
-from tests.matrix.test_matrix import cell_problem, step_table
+from tests.matrix.compare import cell_problem, step_table
 from tests.scalers import BUILTINS
 
 

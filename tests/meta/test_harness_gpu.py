@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tests.child_run import ROOT
 from tests.harness import Harness, RankFailure, budget, rank_device, run_on_ranks
+from tests.conformance.problem import keep_gpu_busy
 from tests.harness.copies import blocking_copies
 from tests.meta.sessions.children import SESSIONS, child_env
 
@@ -287,10 +288,8 @@ def _early_reads(trials: int) -> int:
     """Trials in which a non_blocking CUDA -> CPU copy, queued behind a busy GPU's matmuls, is read before it lands."""
     early = 0
     for _ in range(trials):
-        a = torch.ones(4096, 4096, device="cuda") / 4096
-        for _ in range(8):
-            a = a @ a  # the GPU is busy for milliseconds; nothing here waits for it
-        value = torch.full((), 3.0, device="cuda") + a[0, 0] * 0  # ready only after the matmuls
+        keep_gpu_busy()
+        value = torch.full((), 3.0, device="cuda")  # queued behind the matmuls
         early += value.to("cpu", non_blocking=True).item() != 3.0
         torch.cuda.synchronize()
     return early

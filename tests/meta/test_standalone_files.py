@@ -13,7 +13,7 @@ import pytest
 from tests.expectations import NEEDS, BugShown
 from tests.known_bugs import EVERY_RUN, INJECTION_ONLY, KNOWN_BUGS, REACHABLE, STANDALONE_DIR, standalone_files
 from tests.upstream import reports
-from tests.upstream.test_standalone import ROOT, modes, path_of, verdict
+from tests.upstream.runs import ROOT, modes, path_of, verdict
 
 pytestmark = pytest.mark.harness
 FILES = standalone_files()

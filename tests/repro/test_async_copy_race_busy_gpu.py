@@ -24,7 +24,7 @@ back off. The bug shows if any trial goes wrong. Needs one GPU, alone (a timing 
 import math
 
 from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd
-from tests.conformance.test_busy_gpu import keep_gpu_busy
+from tests.conformance.problem import keep_gpu_busy
 from tests.harness import run_on_ranks
 from tests.repro.runner import Outcome, case
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from tests.known_bugs import STANDALONE_DIR, KnownBug, bug_by_id, standalone_files
-from tests.upstream.test_standalone import PLAIN, ROOT, SKIP_STATUS, modes, path_of, run_file
+from tests.upstream.runs import PLAIN, ROOT, SKIP_STATUS, modes, path_of, run_file
 
 RUNS = ROOT / "docs" / "upstream" / "runs.json"
 SECTIONS = ("Root cause", "Fix", "Related")
