@@ -1,76 +1,5 @@
-"""DeviceSplitGradScaler: a loss scaler for sharded, CPU-offloaded, mixed-dtype training.
-
-A ``torch.amp.GradScaler`` (a subclass: ``isinstance`` holds, and code written for torch's scaler
-runs). The constructor's positional order is ``GradScaler``'s, ``(device, init_scale,
-growth_factor, backoff_factor, growth_interval, enabled)``, then ``process_group``. torch's
-``ShardedGradScaler`` puts ``backoff_factor`` before ``growth_factor``: from there, pass keywords.
-
-Design
-------
-*The scale lives on the host.* The authoritative scale and growth tracker are Python numbers
-(the scale rounded to float32 exactly as ``torch._amp_update_scale_`` rounds it). Each device
-that needs the scale or its inverse gets it as ``torch.full((), value, device=d)``: on CUDA that
-is a kernel launch carrying the value as an argument, so nothing is ever copied device-to-host
-asynchronously and no CPU code can read a copy that has not landed. That is the whole cure for
-the async-copy race (known bug ``async-copy-race-busy-gpu``, docs/bugs.md), where upstream scalers
-make ``non_blocking`` CPU copies of inv_scale / found_inf and read or write them on the CPU too early.
-
-*Grads are split by (device, dtype).* Each group is unscaled and inf/NaN-checked by
-``torch._amp_foreach_non_finite_check_and_unscale_`` into a found_inf tensor on its own device.
-Where that fused kernel has no implementation (bf16 on CUDA: known bug ``bf16-cuda-unscale-kernel``) the
-group falls back to ``isfinite`` checks followed by ``_foreach_mul_`` (checked before unscaling,
-as the kernel does). Sparse fp16 grads are coalesced and their values unscaled; DTensor grads (FSDP2)
-are unscaled through their local shard.
-
-*One collective, one host sync per optimizer step.* The per-device found_inf values are summed
-into one float32 tensor on the device the process group's backend accepts (CPU for gloo, the
-current CUDA device for NCCL) and all-reduced once on ``process_group`` (WORLD when None; no
-collective for a group of one rank), also on a rank that holds no grads, so every rank takes the
-same step/skip decision. The single
-host synchronisation is the blocking read of that agreed value: for gloo (or no process group)
-it is the ``.cpu()`` of the CUDA found_inf sum before the CPU all-reduce; for NCCL it is the
-``.item()`` after the all-reduce. With only CPU grads and gloo there is no device sync at all.
-Like ``optimizer.step()`` itself, we assume grads are complete when ``unscale_`` runs (FSDP's
-CPU offload synchronises its D2H grad copies at the end of backward).
-
-*Decisions are host-side.* ``step`` skips ``optimizer.step`` when the agreed sum is > 0 (any
-rank, any device, inf or NaN); ``update`` backs off once if any optimizer saw inf, and grows
-only after exactly ``growth_interval`` consecutive clean updates, never to inf. Scale and
-tracker survive ``state_dict`` / ``load_state_dict`` and pickling.
-
-torch's state, kept coherent with the host truth
-------------------------------------------------
-- ``_scale`` / ``_growth_tracker``: None until the first ``scale()`` (or
-  ``_lazy_init_scale_growth_tracker(device)``), then a float32 / int32 tensor on that device
-  holding the host value. Assigning one sets the host value from it; a write into one in place
-  (``_scale.fill_(...)``, as torch's own ``load_state_dict`` does) is seen through the tensor's
-  version counter and read back at the next call (one host read, only after such a write).
-- ``_init_scale`` / ``_init_growth_tracker``: the host values (torch's "value before lazy init").
-- ``_per_optimizer_states[id(opt)]``: torch's ``{"stage", "found_inf_per_device"}``.
-- ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16=True)`` (ShardedGradScaler's default),
-  ``_check_inf_per_device``,
-  ``_found_inf_per_device``, ``_get_scale_async``, ``state_dict`` keys: torch's signatures.
-- An optimizer with ``_step_supports_amp_scaling`` that is not one of torch's own follows torch's
-  protocols: a ``step()`` that takes ``grad_scaler`` is handed this scaler (with torch's
-  FutureWarning); any other gets ``grad_scale`` and ``found_inf`` as attributes, found_inf the
-  decision agreed over the ranks (exactly 0.0 or 1.0).
-
-Where it differs from ``torch.amp.GradScaler`` on purpose (tests/conformance/test_differential.py
-compares the two call for call everywhere else):
-
-1. ``found_inf_per_device`` holds one CPU entry, the sum agreed over every device and rank:
-   torch's holds one tensor per device, local to the rank, which is how ranks come to disagree.
-2. fp16 grads are unscaled, as by ``ShardedGradScaler`` (FSDP keeps fp16 grads);
-   ``torch.amp.GradScaler.unscale_`` raises "Attempting to unscale FP16 gradients.".
-3. torch's own fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad) are not handed
-   ``grad_scale`` / ``found_inf``: we unscale and agree ourselves, then call their plain ``step()``
-   only where no rank overflowed. Handing them an un-agreed found_inf is known bug
-   ``torch-sharded-hands-fused-a-sum``; benchmarks/fused_handoff.py measures what this costs.
-4. CUDA missing is an error, never a silent ``enabled=False``.
-5. A scaler holding a ``process_group`` does not pickle (process groups do not); pickle it
-   with ``process_group=None`` and set the group after loading.
-6. An optimizer with no grads at all takes part in the agreement and steps (a no-op): a rank of a
-   sharded job may hold none, and must still agree. torch raises "No inf checks were recorded".
+"""DeviceSplitGradScaler: a loss scaler for sharded, CPU-offloaded, mixed-dtype training. Its design and where it
+differs from ``torch.amp.GradScaler`` on purpose are the class docstring (``help(DeviceSplitGradScaler)``).
 """
 from __future__ import annotations
 
@@ -147,6 +76,82 @@ def found_inf_value(state: dict[str, Any]) -> float | None:
 
 
 class DeviceSplitGradScaler(torch.amp.GradScaler):
+    """A loss scaler for sharded, CPU-offloaded, mixed-dtype training.
+
+    A ``torch.amp.GradScaler`` (a subclass: ``isinstance`` holds, and code written for torch's scaler
+    runs). The constructor's positional order is ``GradScaler``'s, ``(device, init_scale,
+    growth_factor, backoff_factor, growth_interval, enabled)``, then ``process_group``. torch's
+    ``ShardedGradScaler`` puts ``backoff_factor`` before ``growth_factor``: from there, pass keywords.
+
+    Design
+    ------
+    *The scale lives on the host.* The authoritative scale and growth tracker are Python numbers
+    (the scale rounded to float32 exactly as ``torch._amp_update_scale_`` rounds it). Each device
+    that needs the scale or its inverse gets it as ``torch.full((), value, device=d)``: on CUDA that
+    is a kernel launch carrying the value as an argument, so nothing is ever copied device-to-host
+    asynchronously and no CPU code can read a copy that has not landed. That is the whole cure for
+    the async-copy race (known bug ``async-copy-race-busy-gpu``, docs/bugs.md), where upstream scalers
+    make ``non_blocking`` CPU copies of inv_scale / found_inf and read or write them on the CPU too early.
+
+    *Grads are split by (device, dtype).* Each group is unscaled and inf/NaN-checked by
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` into a found_inf tensor on its own device.
+    Where that fused kernel has no implementation (bf16 on CUDA: known bug ``bf16-cuda-unscale-kernel``) the
+    group falls back to ``isfinite`` checks followed by ``_foreach_mul_`` (checked before unscaling,
+    as the kernel does). Sparse fp16 grads are coalesced and their values unscaled; DTensor grads (FSDP2)
+    are unscaled through their local shard.
+
+    *One collective, one host sync per optimizer step.* The per-device found_inf values are summed
+    into one float32 tensor on the device the process group's backend accepts (CPU for gloo, the
+    current CUDA device for NCCL) and all-reduced once on ``process_group`` (WORLD when None; no
+    collective for a group of one rank), also on a rank that holds no grads, so every rank takes the
+    same step/skip decision. The single
+    host synchronisation is the blocking read of that agreed value: for gloo (or no process group)
+    it is the ``.cpu()`` of the CUDA found_inf sum before the CPU all-reduce; for NCCL it is the
+    ``.item()`` after the all-reduce. With only CPU grads and gloo there is no device sync at all.
+    Like ``optimizer.step()`` itself, we assume grads are complete when ``unscale_`` runs (FSDP's
+    CPU offload synchronises its D2H grad copies at the end of backward).
+
+    *Decisions are host-side.* ``step`` skips ``optimizer.step`` when the agreed sum is > 0 (any
+    rank, any device, inf or NaN); ``update`` backs off once if any optimizer saw inf, and grows
+    only after exactly ``growth_interval`` consecutive clean updates, never to inf. Scale and
+    tracker survive ``state_dict`` / ``load_state_dict`` and pickling (as torch's: between iterations,
+    with the ``process_group`` it holds, which pickles where the group does).
+
+    torch's state, kept coherent with the host truth
+    ------------------------------------------------
+    - ``_scale`` / ``_growth_tracker``: None until the first ``scale()`` (or
+      ``_lazy_init_scale_growth_tracker(device)``), then a float32 / int32 tensor on that device
+      holding the host value. Assigning one sets the host value from it; a write into one in place
+      (``_scale.fill_(...)``, as torch's own ``load_state_dict`` does) is seen through the tensor's
+      version counter and read back at the next call (one host read, only after such a write).
+    - ``_init_scale`` / ``_init_growth_tracker``: the host values (torch's "value before lazy init").
+    - ``_per_optimizer_states[id(opt)]``: torch's ``{"stage", "found_inf_per_device"}``.
+    - ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16=True)`` (ShardedGradScaler's default),
+      ``_check_inf_per_device``,
+      ``_found_inf_per_device``, ``_get_scale_async``, ``state_dict`` keys: torch's signatures.
+    - An optimizer with ``_step_supports_amp_scaling`` that is not one of torch's own follows torch's
+      protocols: a ``step()`` that takes ``grad_scaler`` is handed this scaler (with torch's
+      FutureWarning); any other gets ``grad_scale`` and ``found_inf`` as attributes, found_inf the
+      decision agreed over the ranks (exactly 0.0 or 1.0).
+
+    Where it differs from ``torch.amp.GradScaler`` on purpose (tests/conformance/test_differential.py
+    compares the two call for call everywhere else):
+
+    1. ``found_inf_per_device`` holds one CPU entry, the sum agreed over every device and rank:
+       torch's holds one tensor per device, local to the rank, which is how ranks come to disagree.
+    2. fp16 grads are unscaled, as by ``ShardedGradScaler`` (FSDP keeps fp16 grads);
+       ``torch.amp.GradScaler.unscale_`` raises "Attempting to unscale FP16 gradients.".
+    3. torch's own fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad) are not handed
+       ``grad_scale`` / ``found_inf``: we unscale and agree ourselves, then call their plain ``step()``
+       only where no rank overflowed. Handing them an un-agreed found_inf is known bug
+       ``torch-sharded-hands-fused-a-sum``; benchmarks/fused_handoff.py measures what this costs.
+    4. CUDA missing is an error, never a silent ``enabled=False``.
+    5. ``update(new_scale=...)`` takes only a finite value > 0, as the constructor's ``init_scale``;
+       torch's accepts NaN, inf, negative values and 0.0, and 0.0 then fails at the next ``unscale_``.
+    6. An optimizer with no grads at all takes part in the agreement and steps (a no-op): a rank of a
+       sharded job may hold none, and must still agree. torch raises "No inf checks were recorded".
+    """
+
     def __init__(self, device: str | torch.device | None = None, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True, process_group: Any = None) -> None:
@@ -435,11 +440,14 @@ class DeviceSplitGradScaler(torch.amp.GradScaler):
             if isinstance(new_scale, torch.Tensor):
                 if new_scale.numel() != 1 or new_scale.requires_grad:
                     raise AssertionError(_NEW_SCALE_REASON)
-                self._set_scale(float(new_scale.item()))
+                value = float(new_scale.item())
             elif isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
-                self._set_scale(float(new_scale))
+                value = float(new_scale)
             else:
                 raise AssertionError(_NEW_SCALE_REASON)
+            if not (math.isfinite(value) and value > 0):  # as the constructor's init_scale
+                raise ValueError(f"update(new_scale=...) must be a finite number > 0, got {new_scale!r}")
+            self._set_scale(value)
         else:
             found = [v for v in map(found_inf_value, self._per_optimizer_states.values()) if v is not None]
             if not found:
@@ -490,10 +498,6 @@ class DeviceSplitGradScaler(torch.amp.GradScaler):
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
                 raise AssertionError(_PICKLE_REASON)
-            if self.process_group is not None:
-                raise TypeError("DeviceSplitGradScaler: a scaler with a process_group cannot be pickled (process "
-                                "groups do not pickle); pickle it with process_group=None and set .process_group "
-                                "after loading")
             self._adopt_writes()
             # like torch's: the unpickled scaler makes its tensors again at its first scale()
             state.update(_host_scale=self._host_scale, _host_growth_tracker=self._host_growth_tracker,
