@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.scalers import make_scaler
-from tests.harness import run_on_ranks
+from tests.harness import cached_mesh, run_on_ranks
 from tests.matrix.implementations import FSDP2_CPU_REASON, FSDP2_CPU_TORCH, fsdp2_api
 from tests.versions import holds
 
@@ -20,11 +20,9 @@ REPORT_COLUMN = "FSDP2"  # the compatibility report's column for these checks (t
 
 
 def _fsdp2_step(spec, bad):
-    from torch.distributed.device_mesh import init_device_mesh
-
     rank = dist.get_rank()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-    fsdp2_api().fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    fsdp2_api().fully_shard(model, mesh=cached_mesh("cpu", (dist.get_world_size(),), ("dp",)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     s = make_scaler(spec, device="cpu", init_scale=256.0)
     s.scale(model(torch.randn(4, 8) + rank).square().mean()).backward()

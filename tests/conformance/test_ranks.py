@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_lists, placement_params,
                                        reference_scales, run_at, run_steps, sgd, step_with_rank1_without_grads)
-from tests.harness import RankHung, run_on_ranks
+from tests.harness import RankHung, cached_group, run_on_ranks
 
 pytestmark = pytest.mark.conformance
 REPORT_COLUMN = "across ranks"  # the compatibility report's column for these checks (tests/report.py)
@@ -103,7 +103,7 @@ def test_rank_without_grads_takes_part(scaler, placement, bad):
 
 def _own_group(spec, placement):
     rank = dist.get_rank()
-    groups = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in order
+    groups = [cached_group([0]), cached_group([1])]  # every rank makes every group, in order
     pb = Problem(placement, seed_offset=rank)
     s = build_scaler(spec, pb, init_scale=256.0, process_group=groups[rank])
     opt = sgd(pb.params)
@@ -111,8 +111,6 @@ def _own_group(spec, placement):
     pb.backward(s, inject={0: math.inf} if rank == 1 else None)
     s.step(opt)
     s.update()
-    for g in groups:
-        dist.destroy_process_group(g)
     return dict(stepped=not equal_lists(pb.snapshot(), before), scale=s.get_scale())
 
 

@@ -208,13 +208,14 @@ def shard_fsdp2(module, s: Settings, unit_mesh=None):
     for a planted wrapper that gets one unit wrong."""
     api = fsdp2_api()
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.harness import cached_mesh
 
     if s.low_precision_grads:
         raise NotImplementedError("FSDP2 always gives the optimizer grads in the params' dtype")
     module = module.to(s.device)
-    if s.mesh is None:
-        mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
+    if s.mesh is None:  # kept for the rank's life: where CUDA is there, a gloo job's every new mesh is a new group
+        mesh = cached_mesh(s.device.type, (dist.get_world_size(),), ("dp",))
     elif s.tp_plan:
         apply_tp_plan(module, s.mesh, s.tp_plan)
         mesh = s.mesh["dp"]

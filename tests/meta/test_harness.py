@@ -6,8 +6,10 @@ Every test here runs on a Harness of its own (the `harness` fixture, or one buil
 the session's: crashing, hanging and isolating ranks and short timeouts must not reach the pools and
 settings that the other tests of this worker rely on. Whole child sessions: test_harness_sessions.py;
 GPUs and the CUDA context budget: test_harness_gpu.py."""
+import ast
 import ctypes
 import os
+import pathlib
 import pickle
 import time
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import Harness, RankDied, RankHung, RankRaised, missing_requirement
+from tests.child_run import ROOT as REPO
 from tests.harness.copies import blocking_copies
 from tests.harness.ranks import pool_key
 from tests.harness.pool import PEER_GRACE_S, unmatched_collective
@@ -461,3 +464,29 @@ def test_blocking_copies_make_every_non_blocking_copy_blocking_here_and_in_the_r
     assert recorder.seen == [False, False, True]
     assert in_ranks == [([True], True), ([True], True)]  # the body's own calls, under the task's blocking mode
     assert harness.run(_copies_made, world_size=2) == [([True], False), ([True], False)]  # a task without it
+
+
+# ---------------------------------------------------------------- process groups live as long as their ranks
+
+# Scripts that start processes of their own (no pool rank runs them), and the harness that keeps the groups.
+OWN_PROCESSES = ("tests/harness/", "tests/meta/", "tests/repro/standalone/", "tests/matrix/probe_fsdp2_cpu.py",
+                 "tests/conformance/checkpoints/__main__.py")
+GROUP_MAKERS = {"new_group", "destroy_process_group", "init_device_mesh", "DeviceMesh"}
+
+
+def test_checks_make_process_groups_and_meshes_only_through_the_harness_cache():
+    """A pool rank serves many checks for its life: a process group or mesh made per check is never freed (and where
+    CUDA is there, torch makes even a 1-D full-world mesh of a gloo job a new group), so groups pile up in the rank.
+    Checks make them through cached_group / cached_mesh, once per rank process; nobody destroys one."""
+    found = []
+    root = pathlib.Path(REPO)
+    for path in sorted(root.glob("tests/**/*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(OWN_PROCESSES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                if name in GROUP_MAKERS:
+                    found.append(f"{rel}:{node.lineno} {name}(...)")
+    assert not found, "make them with tests.harness cached_group / cached_mesh instead:\n" + "\n".join(found)

@@ -27,11 +27,10 @@ from tests.scalers import make_scaler
 
 
 def _replicated_norm_first(scaler):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = cached_mesh("cpu", (2, 2), ("dp", "tp"))
     norm = torch.nn.Parameter(DTensor.from_local(torch.ones(2), mesh, [Shard(0), Replicate()], run_check=False))
     weight = torch.nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0), Shard(1)], run_check=False))
     s = make_scaler(scaler, device="cpu", init_scale=256.0)
@@ -81,10 +80,9 @@ def test_an_inf_in_one_hsdp_replica(scaler):
 
 
 def _dtensor_and_plain(scaler):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = cached_mesh("cpu", (2,), ("dp",))
     sharded = torch.nn.Parameter(DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False))
     plain = torch.nn.Parameter(torch.ones(2))
     s = make_scaler(scaler, device="cpu", init_scale=256.0)
