@@ -177,6 +177,16 @@ def where(**conditions):
     return when
 
 
+def _cpu_found_inf_not_agreed(params, cuda) -> bool:
+    """fairscale-cpu-found-inf-not-agreed: CPU grads with the scale on CUDA, an inf on some ranks. The matrix's and the
+    sequences' checks show it where they run race-free (a GPU machine: expectations rule 2)."""
+    if "cell" in params:  # CPU-offloaded grads of 2 or more ranks, an inf injected on one
+        return cuda and where(offload="offload", world_size=lambda ws: ws >= 2)(params, cuda)
+    if "bad_ranks" in params:
+        return params.get("placement") in ONLY_CPU_GRADS and params["bad_ranks"] != (0, 1)
+    return cuda and params.get("placement") in CPU_GRADS_CUDA_SCALE  # the sequences
+
+
 KNOWN_BUGS = [
     _bug("fairscale-disabled-without-cuda", {"fairscale_sharded"}, EVERY_ENABLED_TEST,
          "fairscale ShardedGradScaler silently disables itself without CUDA (amp_definitely_not_available) "
@@ -268,11 +278,11 @@ KNOWN_BUGS = [
                      "of 2**127 (bf16 or fp32 compute; in fp16 the backward overflows first). The file's real run: "
                      "FSDP1 bf16 from 2**124, growth_interval 1. With the defaults that takes 224,000 overflow-free "
                      "steps", run="--real-overflow")),
-    _bug("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"}, {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off"},
+    _bug("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"},
+         {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", MATRIX, SEQUENCES},
          "fairscale ShardedGradScaler all-reduces a CPU found_inf on a CUDA copy and throws the "
          "result away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip",
-         when=lambda params, cuda: params.get("placement") in ONLY_CPU_GRADS
-         and params.get("bad_ranks") != (0, 1), fairscale=FAIRSCALE_0_4_13,
+         when=lambda params, cuda: _cpu_found_inf_not_agreed(params, cuda), fairscale=FAIRSCALE_0_4_13,
          title="CPU found_inf all-reduced on a copy that is thrown away",
          reach=Reach(REACHABLE, "torch FSDP1 CPUOffload fp16 on 2 gloo ranks sharing a GPU, the loss moved to the CPU params "
                      "(fairscale #421's path): the scaled backward overflows in one output unit's weight row, which "
@@ -442,7 +452,8 @@ KNOWN_BUGS = [
          title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step",
          reach=Reach(EVERY_RUN, "no overflow: every step of fused Adam, AdamW or Adagrad after an explicit unscale_ (clipping), "
                      "from the first, clean one (FSDP1 fp16 on 2 ranks raises at step 1 too)"),
-         precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-cpu-unscale-found-inf-shape"}),  # the first step raises
+         precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-cpu-unscale-found-inf-shape",
+                   "amp-hands-fused-a-device-sum"}),  # the first step raises
     _bug("torch-sharded-hands-fused-a-sum", {"torch_sharded"}, {FUSED},
          "torch ShardedGradScaler.unscale_ all-reduces found_inf with SUM over the ranks and step() hands that "
          "sum to a fused optimizer; the fused kernels skip only on found_inf == 1.0, so when two ranks overflow "
@@ -453,6 +464,19 @@ KNOWN_BUGS = [
          reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks at the default scale: the scaled backward overflows in both ranks' "
                      "shards, unscale_ sums found_inf to 2.0, fused SGD applies the update", run="--real-overflow"),
          precedes={"fused-sgd-skipped-first-step"}),  # the check sees the sum first
+    _bug("amp-hands-fused-a-device-sum", {"torch_amp", "torch_sharded"}, {FUSED},
+         "GradScaler.step hands an optimizer that takes its fused path (fused Adam, AdamW; Adagrad from torch 2.12) "
+         "found_inf = the sum of found_inf_per_device; the fused kernels skip only on found_inf == 1.0, so when the "
+         "grads on two devices (CPU and CUDA) both overflow, the optimizer gets 2.0 and applies the inf/NaN update "
+         "(found by the race-free runs of the mixed placement, torch 2.11 on one GPU; torch ShardedGradScaler "
+         "inherits the step)",
+         when=lambda params, cuda: (on_scalers_fused_path(params)
+                                    and where(fused=STEP_COUNTER_FUSED, placement=("mixed", "mixed_cpu_scale"))(params, cuda)),
+         title="grads on two devices that both overflow: found_inf summed to 2.0, a fused optimizer steps on NaN",
+         reach=Reach(INJECTION_ONLY, "shown with an inf written into a grad on each device; real training gets there "
+                     "only where one optimizer holds grads on CPU and on CUDA (some params offloaded, some not) and both "
+                     "overflow in one step, which no run here has shown yet"),
+         standalone="torch-sharded-hands-fused-a-sum"),
     _bug("fused-sgd-skipped-first-step", {"torch_amp", "torch_sharded"}, {FUSED},
          "fused SGD with momentum allocates its momentum buffers with torch.empty_like on its first step and fills "
          "them inside the kernel; when GradScaler hands it found_inf = 1.0 (the first step overflowed, as fp16 "
@@ -502,7 +526,8 @@ KNOWN_BUGS = [
          title="fused AdamW: TypeError on the grad_scaler keyword",
          reach=Reach(EVERY_RUN, "no overflow: every step of a fused optimizer"),
          needs="cuda",
-         precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-state-dict-after-backoff-fsdp"}),  # the first step raises
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-state-dict-after-backoff-fsdp",
+                   "fairscale-cpu-found-inf-not-agreed"}),  # the first step raises
     _bug("fairscale-state-dict-after-backoff-fsdp", {"fairscale_sharded"}, {MATRIX},
          "fairscale's state_dict() after a backoff (fairscale-state-dict-after-backoff) inside FSDP training: "
          "fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale issue #421) keeps "
@@ -539,7 +564,7 @@ KNOWN_BUGS = [
          title="FSDP1 keep_low_precision_grads + CPUOffload: the backward after zero_grad() raises",
          reach=Reach(EVERY_RUN, "no overflow, no scaler: the second backward of every FSDP1 keep_low_precision_grads + CPUOffload"
                      " run that zeroes grads with set_to_none=True (the default)"),
-         needs="cuda"),
+         needs="cuda", precedes={"fairscale-cpu-found-inf-not-agreed"}),  # the second backward raises
     _bug("fairscale-busy-gpu", {"fairscale_sharded"}, {BUSY},
          "fairscale ShardedGradScaler reads inv_scale's non_blocking CPU copy before it lands, so CPU grads are "
          "zeroed (the async-copy race of async-copy-race-busy-gpu), and on 2 ranks it never agrees on a CPU "
