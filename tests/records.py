@@ -51,7 +51,7 @@ class Record:
 
     @property
     def died_in_upstream_code(self) -> bool:
-        """Every rank that died did so in torch's or fairscale's code: a crash of theirs, not a scaler verdict."""
+        """Every rank that died did so in torch's, fairscale's or native code: not a scaler verdict."""
         return bool(self.deaths) and all(d["owner"] != "other" for d in self.deaths)
 
     @classmethod

@@ -186,7 +186,7 @@ def headline(recs: list[Record], exitstatus: int = 0) -> str:
     counts = ", ".join(f"{total[o]} {o}" for o in OUTCOMES) + " (every collected test)"
     if total["failed"]:
         theirs = sum(r.outcome == "failed" and r.died_in_upstream_code for r in recs)
-        crashes = (f", {theirs} of them a rank that died in torch's or fairscale's code, not a scaler verdict "
+        crashes = (f", {theirs} of them a rank that died in torch's, fairscale's or native code, not a scaler verdict "
                    f"(Rank deaths, below)") if theirs else ""
         return (f"UNEXPECTED OUTCOMES: {total['failed']} failed (failures, errors or strict xfails that passed"
                 f"{crashes}); {counts}")
@@ -227,10 +227,11 @@ def render(recs: list[Record], markdown: bool, exitstatus: int = 0, about: dict 
     lines.append("cells: passed/failed/xfailed/skipped (failed includes errors and strict xfails that passed)")
     died = [r for r in recs if r.deaths and r.outcome == "failed"]
     if died:
-        lines += ["", heading("Rank deaths (a rank process died: in torch's or fairscale's code, not a scaler verdict)",
+        lines += ["", heading("Rank deaths (a rank process died: in torch's, fairscale's or native code: not a scaler "
+                              "verdict)",
                               markdown)]
         for r in died:
-            whose = "torch's or fairscale's code" if r.died_in_upstream_code else "a verdict on the scaler"
+            whose = "torch's, fairscale's or native code" if r.died_in_upstream_code else "a verdict on the scaler"
             lines.append(f"- {r.nodeid}: {'; '.join(_death_line(d) for d in r.deaths)} ({whose}); rerun: {r.rerun}")
     bugs = known_bugs(recs)
     if bugs:

@@ -58,16 +58,21 @@ class RankDied(RankFailure):
 class Death:
     """How one rank died: `how` its signal ("SIGABRT") or "exit code N"; `frame` the innermost Python frame of its
     faulthandler stack ("torch/distributed/_functional_collectives.py:203 all_gather_tensor"; "" where it printed
-    none); `owner` whose code that frame is: "torch", "fairscale", or "other" (the suite, the scaler under test,
-    anything else). Only a death in torch's or fairscale's code is theirs; any other can be the scaler's."""
+    none); `owner` whose code that frame is: "torch", "fairscale", "native" (the thread that died runs no Python:
+    a library's own thread, such as gloo's), or "other" (the suite, the scaler under test, anything else). Only a
+    death in torch's, fairscale's or native code is not the scaler's; any other can be."""
     rank: int
     how: str
     frame: str = ""
     owner: str = "other"
 
     def __str__(self) -> str:
-        where = f" in {self.owner}'s code at {self.frame}" if self.frame and self.owner != "other" else (
-            f" at {self.frame}" if self.frame else " (no Python stack printed)")
+        if self.owner == "native":
+            where = " in a thread without Python frames (native code)"
+        elif self.frame:
+            where = f" in {self.owner}'s code at {self.frame}" if self.owner != "other" else f" at {self.frame}"
+        else:
+            where = " (no Python stack printed)"
         return f"rank {self.rank} {self.how}{where}"
 
     def as_data(self) -> dict:
@@ -84,10 +89,15 @@ def death(rank: int, exitcode: int | None, stack: str) -> Death:
     import signal
 
     how = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
-    current = stack.find("Current thread")
-    match = _FRAME.search(stack, current if current >= 0 else 0)
-    if match is None:
+    start = stack.find("Current thread")
+    if start < 0:
+        start = stack.find("Thread 0x")
+    if start < 0:
         return Death(rank, how)
+    block = stack[start:].split("\n\n", 1)[0]  # that thread's frames only: the next thread's are not its
+    match = _FRAME.search(block)
+    if match is None:  # a native thread (gloo's, CUDA's): no Python frame, no Python code of anyone's
+        return Death(rank, how, "", "native") if "<no Python frame>" in block else Death(rank, how)
     path, owner = match["path"], "other"
     for pkg, root in _package_roots().items():
         if path.startswith(root + os.sep):

@@ -169,8 +169,9 @@ FSDP2_CPU_TORCH = "<2.7"
 FSDP2_CPU_REASON = (f"FSDP2 on CPU needs torch >= 2.7: on torch{FSDP2_CPU_TORCH} fully_shard's lazy init uses CUDA "
                     f"streams (2.4, 2.5) or CPU stream methods 2.6 lacks (record_event: pytorch/pytorch#145935)")
 
-# FSDP2 with CUDA params over gloo ranks sharing one GPU segfaults in DTensor's functional collectives. Seen on
-# torch 2.11, the only torch run on a GPU here: claimed for every version until one is shown to run it.
+# FSDP2 with CUDA params over gloo ranks sharing one GPU segfaults in DTensor's functional collectives, in a native
+# thread, in fresh ranks too (python -m benchmarks.shared_gpu trains these cells anyway). Seen on torch 2.11, the only
+# torch run on a GPU here: claimed for every version until one is shown to run it.
 FSDP2_SHARED_GPU_TORCH = ""
 
 

@@ -148,6 +148,12 @@ def test_a_rank_death_is_read_from_its_faulthandler_stack():
                                                f"{ROOT}/scaler_impl/scaler.py"))
     assert (ours.owner, ours.frame) == ("other", f"{ROOT}/scaler_impl/scaler.py:203 all_gather_tensor")
     assert str(death(0, 7, "")) == "rank 0 exit code 7 (no Python stack printed)"
+    # a native thread died (gloo's, as seen on one GPU): the next thread's frames are not its own
+    native = ABORT_IN_GLOO.split("Current thread")[0] + (
+        "Current thread 0x00007f3b (most recent call first):\n  <no Python frame>\n\n"
+        'Thread 0x00007f3c (most recent call first):\n  File "/usr/lib/python3.12/threading.py", line 355 in wait\n')
+    assert str(death(0, -11, native)) == "rank 0 SIGSEGV in a thread without Python frames (native code)"
+    assert death(0, -11, native).owner == "native"
 
 
 def test_a_rank_that_died_in_torch_is_told_apart_from_a_failed_check():
@@ -156,9 +162,9 @@ def test_a_rank_that_died_in_torch_is_told_apart_from_a_failed_check():
                            rep("c", "failed", deaths=[death(0, -11, "").as_data()], rerun="python -m pytest c")])
     text = report.render(recs, markdown=False)
     assert text.startswith("UNEXPECTED OUTCOMES: 3 failed (failures, errors or strict xfails that passed, 1 of them "
-                           "a rank that died in torch's or fairscale's code, not a scaler verdict")
+                           "a rank that died in torch's, fairscale's or native code, not a scaler verdict")
     assert ("- a: rank 1 SIGABRT in torch's code at torch/distributed/_functional_collectives.py:203 all_gather_tensor "
-            "(torch's or fairscale's code); rerun: python -m pytest a") in text
+            "(torch's, fairscale's or native code); rerun: python -m pytest a") in text
     assert "- c: rank 0 SIGSEGV (no Python stack printed) (a verdict on the scaler); rerun: python -m pytest c" in text
     assert "- b:" not in text  # a check that failed, no rank died
     back = Report.from_data(json.loads(json.dumps(report.as_data(recs, 1, {}))))

@@ -8,9 +8,10 @@ from tests.child_run import ROOT, clean_env
 
 
 def test_the_targets_run_again_after_every_check_ran_once():
-    out = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.stress",
-                          "--stress-rounds=3", "tests/conformance/test_ranks.py", "tests/conformance/test_fsdp2.py",
-                          "-k", "ours"], cwd=ROOT, env=clean_env(), capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider",
+                          "-p", "benchmarks.stress", "--stress-rounds=3", "tests/conformance/test_ranks.py",
+                          "tests/conformance/test_fsdp2.py", "-k", "ours"],
+                         cwd=ROOT, env=clean_env(), capture_output=True, text=True)
     ids = [line for line in out.stdout.splitlines() if "::" in line]
     rounds = [int(i.rsplit("round", 1)[1].split("]")[0].split("-")[0]) for i in ids]
     assert rounds == sorted(rounds) and set(rounds) == {0, 1, 2}, ids  # round 0 first, then 1, then 2
