@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import tomllib
 
 import nox
 from packaging.version import InvalidVersion, Version
@@ -27,9 +28,9 @@ nox.options.sessions = ["tests", "table"]  # plain `nox`: the versions below, th
 
 ROOT = pathlib.Path(__file__).parent
 OUT = ROOT / "versions-out"
-# The oldest torch the suite supports (pyproject.toml: torch>=2.4; FSDP2 on a CPU-only machine needs 2.7, measured:
-# FSDP2_CPU_TORCH in tests/matrix/implementations.py), the pin of requirements.txt, and the newest release checked here.
-TORCH_VERSIONS = ["2.4.1", "2.13.0", "2.14.1"]
+# The torch releases the suite is checked on: pyproject.toml's [tool.fsdp-amp-suite] checked-torch, the one list.
+with open(ROOT / "pyproject.toml", "rb") as _f:
+    TORCH_VERSIONS = tomllib.load(_f)["tool"]["fsdp-amp-suite"]["checked-torch"]
 def _torch_sources() -> list[str]:
     args = []
     if os.environ.get("FSDP_AMP_TORCH_FIND_LINKS"):

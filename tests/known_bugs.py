@@ -98,7 +98,7 @@ class KnownBug:
 
 
 # Where a bug holds, as version specifiers (tests/versions.py). Upstream bugs still open are claimed for
-# every supported torch (their code is unchanged in torch 2.4.1 .. 2.15.0 sources); fairscale's own bugs
+# every supported torch (their code is unchanged from the first to the last of versions.CHECKED_TORCH); fairscale's own bugs
 # for its last release, the one this suite pins and ran: a new release must be re-checked, not assumed.
 ANY_TORCH = ""
 FAIRSCALE_0_4_13 = "==0.4.13"

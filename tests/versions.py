@@ -8,15 +8,21 @@ fixed in torch N is `torch="<N"`, so on N its checks are expected to pass. Local
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 from importlib import metadata
 from typing import Mapping
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+
+# The torch releases the suite is checked on, oldest first (the floor, the pin, the newest): pyproject.toml's one list.
+with open(pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as _f:
+    CHECKED_TORCH = tuple(tomllib.load(_f)["tool"]["fsdp-amp-suite"]["checked-torch"])
 
 # DTensor and its placements are public (torch.distributed.tensor) from torch 2.5; 2.4 keeps them private in
 # torch.distributed._tensor (seen on 2.4.1: ImportError). The checks that build DTensors on a mesh skip below it.
