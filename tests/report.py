@@ -5,7 +5,7 @@ Built on pytest's own reports: every item carries its scaler, FSDP implementatio
 known bug as user_properties (set at collection, carried by xdist to the controller), and
 pytest_terminal_summary counts the reports pytest already collected, as Records (tests/records.py, the type
 --report-json and the version table share). EVERY collected test counts: scaler checks by scaler x the column
-their module declares (REPORT_COLUMN; a module without one is a column of its own, named by its file), the
+their module marks (`pytest.mark.report_column(NAME)`; a module without one is a column of its own, named by its file), the
 matrix by (implementation, mesh, scaler) x (precision, offload), every other test by its file, and a
 collection error as a failure. The headline can never disagree with pytest's exit status. Cells
 read `passed/failed/xfailed/skipped`; the known-bug reasons (xfails) are listed once under the tables.
@@ -26,14 +26,17 @@ from tests.records import OUTCOMES, Bug, Cell, Record, Report, Unmatched, headin
 from tests.known_bugs import KNOWN_BUGS
 from tests.scalers import BUILTINS
 
-# the order of the scaler checks' columns (each named by its module's REPORT_COLUMN; "repro": tests/repro);
+# the order of the scaler checks' columns (each named by its module's report_column mark; "repro": tests/repro);
 # a column not named here comes after these, by name
 COLUMNS = ("single rank", "across ranks", "busy GPU", "FSDP2", "model sizes", "sequences", "fused optimizers", "meshes",
            "frameworks", "repro")
 
 
 def pytest_configure(config):
-    """A report path that cannot be written is a usage error now, not an INTERNALERROR after the run."""
+    """The report's marker; a report path that cannot be written is a usage error now, not an INTERNALERROR after
+    the run."""
+    config.addinivalue_line("markers", "report_column(name): the compatibility report's column for a module's "
+                                       "scaler checks (tests/report.py)")
     if hasattr(config, "workerinput"):
         return
     for option in ("--report", "--report-json"):
@@ -53,11 +56,12 @@ def pytest_collection_modifyitems(items):
 
 
 def column(item) -> str:
-    """The report column of a scaler check: "repro" for a repro case, else its module's REPORT_COLUMN, else
-    its file's name."""
+    """The report column of a scaler check: "repro" for a repro case, else its report_column mark, else its file's
+    name."""
     if item.path.parent.name == "repro":
         return "repro"
-    return getattr(getattr(item, "module", None), "REPORT_COLUMN", None) or item.path.name
+    mark = item.get_closest_marker("report_column")
+    return mark.args[0] if mark else item.path.name
 
 
 def label(item) -> None:

@@ -12,8 +12,7 @@ import torch
 
 from tests.conformance.problem import (Problem, build_scaler, equal_lists, placement_params, run_at, sgd)
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "single rank"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
 
 ALL_PLACEMENTS = placement_params()
 CPU_ONLY = placement_params(["cpu"])

@@ -21,8 +21,7 @@ from tests.conformance.problem import (Problem, build_scaler, equal_lists, devic
                                       placement_params, sgd)
 from tests.harness import run_on_ranks
 
-pytestmark = [pytest.mark.conformance, pytest.mark.gpu]
-REPORT_COLUMN = "busy GPU"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.gpu, pytest.mark.report_column("busy GPU")]
 # A scaler that reads its copies early loses the race in nearly every trial with this much queued work (docs/bugs.md:
 # 19 or 20 of 20), so five trials all miss it with odds below 1e-6; each trial waits out its queued matmuls on a GPU
 # the other workers share, which is most of this file's time.

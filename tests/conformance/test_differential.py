@@ -19,8 +19,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from tests.conformance.problem import build_scaler, placement_params, run_at, Problem
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "single rank"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
 
 N_PARAMS = 3
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -19,8 +19,7 @@ import torch
 from tests.harness import Harness
 from tests.versions import import_problem
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "frameworks"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("frameworks")]
 
 STEPS, RESUMED, BATCH, WIDTH = 6, 4, 8, 16
 OVERFLOW_BATCH = 2  # its inputs are 1e20: the loss and the grads overflow in any dtype, so that step must be skipped

@@ -15,8 +15,8 @@ from tests.matrix.implementations import FSDP2_CPU_REASON, FSDP2_CPU_TORCH, fsdp
 from tests.versions import holds
 
 pytestmark = [pytest.mark.conformance,
-              pytest.mark.skipif(not torch.cuda.is_available() and holds(torch=FSDP2_CPU_TORCH), reason=FSDP2_CPU_REASON)]
-REPORT_COLUMN = "FSDP2"  # the compatibility report's column for these checks (tests/report.py)
+              pytest.mark.skipif(not torch.cuda.is_available() and holds(torch=FSDP2_CPU_TORCH), reason=FSDP2_CPU_REASON),
+              pytest.mark.report_column("FSDP2")]
 
 
 def _fsdp2_step(spec, bad):

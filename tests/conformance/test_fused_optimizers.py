@@ -23,8 +23,7 @@ import torch
 from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, deterministic_fill, device_of, equal_lists,
                                        placement_params, run_at)
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "fused optimizers"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("fused optimizers")]
 
 # the fused optimizers of torch.optim, with settings that give each the state a wrong step corrupts
 OPTIMIZERS = {

@@ -22,8 +22,8 @@ from tests.harness import cached_mesh
 from tests.scalers import make_scaler
 from tests.versions import DTENSOR_REASON, DTENSOR_TORCH, holds
 
-pytestmark = [pytest.mark.conformance, pytest.mark.skipif(holds(torch=DTENSOR_TORCH), reason=DTENSOR_REASON)]
-REPORT_COLUMN = "meshes"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.skipif(holds(torch=DTENSOR_TORCH), reason=DTENSOR_REASON),
+              pytest.mark.report_column("meshes")]
 
 WORLD_SIZE = 4
 INIT_SCALE, BACKOFF, LR = 256.0, 0.5, 0.5

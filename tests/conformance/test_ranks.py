@@ -13,8 +13,7 @@ from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_
                                        reference_scales, run_at, run_steps, sgd, step_with_rank1_without_grads)
 from tests.harness import RankHung, cached_group, run_on_ranks
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "across ranks"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("across ranks")]
 
 RANK_PLACEMENTS = placement_params(["cpu", "cuda", "offload", "cpu_loss", "mixed"])
 

@@ -14,8 +14,7 @@ from tests.conformance.checkpoints import PATTERN, SETTINGS, SPLIT
 from tests.conformance.problem import (Problem, ScalerModel, build_scaler, equal_lists, placement_params, reference_scales, run_at,
                                        run_steps, sgd)
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "single rank"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
 
 ALL_PLACEMENTS = placement_params()
 

@@ -9,8 +9,7 @@ from tests import versions
 from tests.conformance.problem import placement_params
 from tests.conformance.sequences import SEQUENCE_PLACEMENTS, MeshContract, ScalerContract, run_machine
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "sequences"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("sequences")]
 
 
 @pytest.mark.parametrize("placement", placement_params(SEQUENCE_PLACEMENTS))

@@ -13,8 +13,7 @@ import torch
 from tests.conformance.problem import (DTYPES, INF_VALUES, Problem, build_scaler, equal_lists, placement_params,
                                        reference_sgd_run, run_at, sgd)
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "single rank"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
 
 ALL_PLACEMENTS = placement_params()
 

@@ -17,8 +17,7 @@ from tests.conformance.problem import DTYPES, Problem, build_scaler, device_mode
 from tests.harness import run_on_ranks
 from tests.scalers import make_scaler
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "model sizes"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("model sizes")]
 
 CHUNK = 65536  # elements per chunk of CUDA's multi-tensor apply
 SHAPES = {

@@ -15,8 +15,7 @@ from torch.amp.grad_scaler import OptState
 
 from tests.conformance.problem import PLACEMENTS, build_scaler, placement_params, run_at, Problem
 
-pytestmark = pytest.mark.conformance
-REPORT_COLUMN = "single rank"  # the compatibility report's column for these checks (tests/report.py)
+pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
 
 CPU_ONLY = placement_params(["cpu"])
 STATE_PLACEMENTS = placement_params(["cpu", "cuda", "offload"])

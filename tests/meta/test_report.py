@@ -87,7 +87,7 @@ def test_a_new_plain_check():
 DECLARED = """
 import pytest
 
-REPORT_COLUMN = "declared column"
+pytestmark = pytest.mark.report_column("declared column")
 
 @pytest.mark.parametrize("scaler", ["ours"])
 def test_a_declared_check(scaler):
@@ -96,7 +96,7 @@ def test_a_declared_check(scaler):
 
 
 def test_a_failure_in_a_file_without_a_family_makes_the_headline_unexpected(pytester, monkeypatch):
-    """A new test file that declares no REPORT_COLUMN: its tests are counted (the scaler check in a
+    """A new test file that marks no report_column: its tests are counted (the scaler check in a
     column of its own, named by its file, the plain one under the rest), and its failure leads the report;
     a file that declares one counts in that column."""
     pytester.makepyfile(test_zz_new=NEW_FILE, test_zz_declared=DECLARED)

@@ -4,7 +4,7 @@ silently drop a known bug's xfail, a mutant's expectation or a report column.
 Checked against what the main job collects (the suite's testpaths with the built-in scalers and FSDP
 implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS (tests/known_bugs.py; an entry matches a check by its test names and
 param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
-EXPECTED tests (tests/planted) and the report's COLUMNS (tests/report.py; each the REPORT_COLUMN of a module).
+EXPECTED tests (tests/planted) and the report's COLUMNS (tests/report.py; each a module's report_column mark).
 """
 import itertools
 import os
@@ -28,7 +28,7 @@ def unmatched(collected) -> list[str]:
                       for name, params, _ in collected for cuda in (False, True))]
     out += [f"mutants EXPECTED {mutant!r}: no collected test is named {test!r}"
             for mutant, tests in EXPECTED.items() for test in tests if test not in names]
-    out += [f"report COLUMNS {column!r}: no collected test counts in it (its module's REPORT_COLUMN, or tests/repro)"
+    out += [f"report COLUMNS {column!r}: no collected test counts in it (its module's report_column mark, or tests/repro)"
             for column in report.COLUMNS if column not in columns]
     return out
 
