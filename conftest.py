@@ -10,7 +10,7 @@ import pytest
 from hypothesis import Phase, settings
 
 from tests import options, xfails
-from tests.harness import copies, ranks
+from tests.harness import copies, pool, ranks
 from tests.matrix import implementations
 from tests.expectations import Machine, ReproOf, expectation
 from tests.scalers import BUILTINS, resolve, spec_id
@@ -57,7 +57,7 @@ def pytest_configure(config):
     harness = ranks.Harness(isolate=config.getoption("--isolate-ranks"), timeout=timeout)
     config.stash[HARNESS] = (harness, ranks.install(harness))
     if hasattr(config, "workerinput"):  # an xdist worker: its ranks' fork server imports torch while it collects
-        ranks.start_fork_server()
+        pool.start_fork_server()
     # a bad --scaler or --fsdp is a clear usage error at start-up, not 300 failures
     specs = ([(resolve, s) for s in scaler_specs(config)]
              + [(implementations.resolve, s) for s in config.getoption("--fsdp")])

@@ -29,10 +29,8 @@ import time
 import weakref
 
 from tests.harness import copies
-from tests.harness.budget import CONTEXT_GIB, GpuBudget, context_budget, profile, worker_gpus  # noqa: F401
-from tests.harness.failures import RankDied, RankFailure, RankHung, RankRaised  # noqa: F401
-from tests.harness.pool import STARTUP_TIMEOUT_S, RankPool, start_fork_server, stop_fork_server  # noqa: F401
-from tests.harness.task import cached_group, cached_mesh, rank_device  # noqa: F401
+from tests.harness.budget import GpuBudget, profile, worker_gpus
+from tests.harness.pool import STARTUP_TIMEOUT_S, RankPool, stop_fork_server
 from tests.harness.torchrun import run_under_torchrun, torchrun_world_size
 
 DEFAULT_TIMEOUT_S = 120.0

@@ -135,7 +135,7 @@ def run_task(task: Task, rank: int) -> Outcome:
         value = fn(*args, **kwargs)
         _synchronize()
         return Outcome(task.id, rank, value=pickle.dumps(to_host(value)), sequences=group_sequences())
-    except BaseException as exc:  # noqa: B902 - everything is reported, pytest's outcomes included
+    except BaseException as exc:  # noqa: BLE001 - everything is reported, pytest's outcomes included
         return Outcome(task.id, rank, error=traceback.format_exc(), skipped=_skip_reason(exc),
                        sequences=group_sequences())
 

@@ -387,7 +387,7 @@ def test_the_task_runner_turns_every_ending_into_an_outcome(monkeypatch, body, a
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     try:
         outcome = run_task(Task(7, pickle.dumps((body, args, {})), seed=0), rank=0)
-    except BaseException as exc:  # noqa: B902 - a skip escaping is the failure this test is for
+    except BaseException as exc:  # noqa: BLE001 - a skip escaping is the failure this test is for
         pytest.fail(f"run_task let {type(exc).__name__} escape: {exc}")
     assert (outcome.task, outcome.rank, outcome.value, outcome.skipped) == (7, 0, None, skipped)
     assert error in outcome.error.strip().splitlines()[-1]  # the exception's own line

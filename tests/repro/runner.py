@@ -122,7 +122,7 @@ def report(test, scalers: list[str], machine: Machine, out=sys.stdout) -> None:
             continue
         try:
             outcome = run(c.body, scaler)
-        except BaseException as exc:  # noqa: B902 - pytest.skip inside a body is a BaseException
+        except BaseException as exc:  # pytest.skip inside a body is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             print(f"{scaler:{width}s} skipped: {exc}", file=out)

@@ -178,7 +178,7 @@ class _Zygote:
             exec(compile(args[args.index("-c") + 1], "<string>", "exec"), {"__name__": "__main__"})
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 0
-        except BaseException:  # noqa: B902 - the traceback goes where a fresh server's would
+        except BaseException:  # noqa: BLE001 - the traceback goes where a fresh server's would
             import traceback
 
             traceback.print_exc()
