@@ -13,7 +13,7 @@ mesh and FSDP2 conformance checks. Settings to compare, one at a time:
     --isolate-ranks  fresh ranks for every check instead of ranks reused across the run
     --max-s S        stop the child after S seconds, as Ctrl-C does, and count what ran (a device's time is bounded)
 Prints the deaths by signal and by frame (tests/harness/failures.py Death), and every other failure. Last line:
-rank_deaths=<deaths> in target_runs=<target checks that ran, not skipped> (deaths_per_1000=<rate>).
+rank_deaths=<deaths> target_runs=<target checks that ran, not skipped> deaths_per_1000=<rate>.
 
 Loaded as a plugin (-p benchmarks.stress) it is what repeats the targets: --stress-rounds N.
 """
@@ -30,8 +30,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GATE_PATHS = ["tests/conformance", "tests/matrix", "tests/repro"]
 ROUND = "stress_round"
-# the checks that run DTensor functional collectives (full_tensor, clip_grad_norm_, redistribute) on every rank
 STOP_GRACE_S = 120  # for the stopped child to end its workers and write its report
+# the checks that run DTensor functional collectives (full_tensor, clip_grad_norm_, redistribute) on every rank
 TARGET_FILES = {"test_meshes.py", "test_fsdp2.py"}
 TARGET_TESTS = {"test_every_sequence_on_a_mesh_follows_the_contract"}
 
