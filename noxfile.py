@@ -1,4 +1,4 @@
-"""The suite on several torch versions, then one table: known bug x torch version (python -m tests.version_table).
+"""The suite on several torch versions, then one table: known bug x torch version (python -m fsdp_amp_suite.version_table).
 
     nox                                   # every version of TORCH_VERSIONS, then the table (versions-out/table.md)
     nox -s "tests(torch='2.13.0')"        # one of them; extra pytest args after --
@@ -79,5 +79,5 @@ def table(session: nox.Session) -> None:
     # fails if a version of TORCH_VERSIONS has no report (args after -- replace this, e.g. `-- --expect ""`)
     args = session.posargs or ["--expect", ",".join(TORCH_VERSIONS)]
     session.chdir(ROOT)
-    session.run(sys.executable, "-m", "tests.version_table", str(OUT), "--markdown", str(OUT / "table.md"),
+    session.run(sys.executable, "-m", "fsdp_amp_suite.version_table", str(OUT), "--markdown", str(OUT / "table.md"),
                 *args, external=True)

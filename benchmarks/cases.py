@@ -69,7 +69,7 @@ def count_syncs_and_collectives(placement: str):
 def cuda_matmul_all_reduce():
     """What a typical GPU check leaves on a rank: a matmul (cuBLAS's handle and workspace), an fp16 autocast
     step and a gloo all_reduce of a CUDA tensor."""
-    from tests.harness import rank_device
+    from fsdp_amp_suite.harness import rank_device
 
     x = torch.randn(256, 256, device=rank_device())
     with torch.autocast("cuda", dtype=torch.float16):

@@ -1,4 +1,4 @@
-"""How many processes can hold a CUDA context on GPU 0 at once: tests/harness/budget.py CONTEXT_LIMIT, under which
+"""How many processes can hold a CUDA context on GPU 0 at once: fsdp_amp_suite/harness/budget.py CONTEXT_LIMIT, under which
 the rank pools' context budget stays.
 
     python -m benchmarks.context_count [--limit 200] [--streams 0]
@@ -13,7 +13,7 @@ import argparse
 import subprocess
 import sys
 
-from tests.harness.budget import gpu_memory_mib, visible_gpus
+from fsdp_amp_suite.harness.budget import gpu_memory_mib, visible_gpus
 
 CHILD = r'''
 import ctypes, sys

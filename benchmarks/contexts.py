@@ -1,4 +1,4 @@
-"""GPU memory that one rank of a GPU pool holds between tasks: the number tests/harness/budget.py CONTEXT_GIB
+"""GPU memory that one rank of a GPU pool holds between tasks: the number fsdp_amp_suite/harness/budget.py CONTEXT_GIB
 is checked against.
 
     python -m benchmarks.contexts [--ranks 4]
@@ -12,8 +12,8 @@ import argparse
 import sys
 
 from benchmarks.cases import cuda_matmul_all_reduce
-from tests.harness import Harness
-from tests.harness.budget import gpu_memory_mib
+from fsdp_amp_suite.harness import Harness
+from fsdp_amp_suite.harness.budget import gpu_memory_mib
 
 
 def main():

@@ -17,8 +17,9 @@ import sys
 import time
 
 from benchmarks import junit
+from fsdp_amp_suite import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 
 
 def main():

@@ -3,9 +3,9 @@
     python -m benchmarks.gpu_processes OUT.csv [SECONDS]
 
 One CSV row per process with a CUDA context per sample: time, pid, parent pid, MiB in use, its name
-(/proc/PID/comm: a pool rank names itself rankRofW:DEVICE, tests/harness/rank_process.py) and the start of
+(/proc/PID/comm: a pool rank names itself rankRofW:DEVICE, fsdp_amp_suite/harness/rank_process.py) and the start of
 its command line. gpu-memory.csv says how much; this says whose: pool ranks (budgeted by
-tests/harness/budget.py), pytest workers, child runs.
+fsdp_amp_suite/harness/budget.py), pytest workers, child runs.
 """
 import csv
 import shutil

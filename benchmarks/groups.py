@@ -15,7 +15,7 @@ def _count_after(maker: str, device_type: str) -> int:
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.harness import cached_mesh
+    from fsdp_amp_suite.harness import cached_mesh
 
     if maker == "init_device_mesh":
         init_device_mesh(device_type, (dist.get_world_size(),))
@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda-shared"])
     ap.add_argument("--tasks", type=int, default=5)
     args = ap.parse_args()
-    from tests.harness import Harness
+    from fsdp_amp_suite.harness import Harness
 
     device_type = "cuda" if args.device == "cuda-shared" else "cpu"
     rates = {}

@@ -16,8 +16,8 @@ import time
 
 from benchmarks.cases import fsdp_mlp_three_steps
 from benchmarks.cputime import tree_cpu
-from tests.harness import Harness
-from tests.harness.pool import RankPool
+from fsdp_amp_suite.harness import Harness
+from fsdp_amp_suite.harness.pool import RankPool
 
 
 def timed(harness, n):

@@ -19,9 +19,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fsdp_amp_suite import paths
+from fsdp_amp_suite.child_run import clean_env
 
-from tests.child_run import clean_env
+ROOT = str(paths.ROOT)
 
 
 def run(n: str, k: str | None, extra: list) -> tuple[collections.Counter, float]:

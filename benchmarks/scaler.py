@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from benchmarks.cases import count_syncs_and_collectives
 from scaler_impl import DeviceSplitGradScaler
-from tests.harness import run_on_ranks, shutdown_pools
+from fsdp_amp_suite.harness import run_on_ranks, shutdown_pools
 
 
 def make_grads(numel, tensors, device):

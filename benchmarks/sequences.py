@@ -1,4 +1,4 @@
-"""Speed of the stateful contract test (tests/conformance/sequences.py): examples per second.
+"""Speed of the stateful contract test (fsdp_amp_suite/conformance/sequences.py): examples per second.
 
     python -m benchmarks.sequences [--scaler ours] [--placement cpu] [--examples 40] [--steps 30]
 
@@ -12,10 +12,10 @@ import time
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import conftest  # noqa: F401  (registers the Hypothesis profiles)
-from tests.conformance import sequences
-from tests.conformance.calls import GROUPS, Backward
-from tests.harness import shutdown_pools
+from fsdp_amp_suite import profiles
+from fsdp_amp_suite.conformance import sequences
+from fsdp_amp_suite.conformance.calls import GROUPS, Backward
+from fsdp_amp_suite.harness import shutdown_pools
 
 
 def main():
@@ -39,6 +39,7 @@ def main():
                       groups=groups)
         sequences.check_sequence(args.scaler, args.placement, config, [Backward()],
                                       sequences.expected_facts(config, [Backward()]))
+    profiles.register()
     budget = settings(settings.get_profile("ci"), max_examples=args.examples, stateful_step_count=args.steps,
                       deadline=None, suppress_health_check=[HealthCheck.too_slow])
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Whether the matrix cells skipped on one GPU run in gloo ranks sharing it: FSDP2 without offload, and tensor
-parallelism, at world size > the GPUs (tests/matrix/implementations.py _fsdp2_needs says why they skip).
+parallelism, at world size > the GPUs (fsdp_amp_suite/matrix/implementations.py _fsdp2_needs says why they skip).
 
     python -m benchmarks.shared_gpu [--cells N] [--scaler ours] [-k SUBSTRING]
 
@@ -10,10 +10,10 @@ cells=<run> ok=<agreeing with DDP> diverged=<...> died=<...> raised=<...>.
 import argparse
 import collections
 
-from tests.harness import Harness, RankDied, RankFailure
-from tests.matrix import axes
-from tests.matrix.cell import train_cell
-from tests.matrix.compare import cell_problem
+from fsdp_amp_suite.harness import Harness, RankDied, RankFailure
+from fsdp_amp_suite.matrix import axes
+from fsdp_amp_suite.matrix.cell import train_cell
+from fsdp_amp_suite.matrix.compare import cell_problem
 
 
 def skipped_on_one_gpu(cell) -> bool:

@@ -1,5 +1,5 @@
-"""What a standalone repro's run costs forked from the preloaded fork server (tests/upstream/forked.py, how the main
-job runs them) vs started fresh (`python FILE`, how `tests.upstream.reports --record` runs them).
+"""What a standalone repro's run costs forked from the preloaded fork server (fsdp_amp_suite/upstream/forked.py, how the main
+job runs them) vs started fresh (`python FILE`, how `fsdp_amp_suite.upstream.reports --record` runs them).
 
     python -m benchmarks.standalone [--n 3] [--only STEM ...]
 
@@ -13,8 +13,8 @@ import sys
 import time
 
 from benchmarks.cputime import tree_cpu
-from tests.known_bugs import standalone_files
-from tests.upstream.runs import PLAIN, run_file
+from fsdp_amp_suite.known_bugs import standalone_files
+from fsdp_amp_suite.upstream.runs import PLAIN, run_file
 
 
 def measured(stem: str, python) -> tuple[float, float, tuple]:
@@ -31,7 +31,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     unknown = sorted(set(args.only) - set(standalone_files()))
     if unknown:
-        sys.exit(f"--only: not a standalone file (tests/repro/standalone): {', '.join(unknown)}")
+        sys.exit(f"--only: not a standalone file (fsdp_amp_suite/repro/standalone): {', '.join(unknown)}")
     stems = [s for s, shown in standalone_files().items() if shown[0].needs in ("", "dtensor")
              and (not args.only or s in args.only)]
     if not stems:

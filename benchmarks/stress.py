@@ -12,7 +12,7 @@ mesh and FSDP2 conformance checks. Settings to compare, one at a time:
     --cpu-ranks      the child sees no GPU (CUDA_VISIBLE_DEVICES=""): CPU-only gloo ranks instead of GPU gloo ranks
     --isolate-ranks  fresh ranks for every check instead of ranks reused across the run
     --max-s S        stop the child after S seconds, as Ctrl-C does, and count what ran (a device's time is bounded)
-Prints the deaths by signal and by frame (tests/harness/failures.py Death), and every other failure. Last line:
+Prints the deaths by signal and by frame (fsdp_amp_suite/harness/failures.py Death), and every other failure. Last line:
 rank_deaths=<deaths> target_runs=<target checks that ran, not skipped> deaths_per_1000=<rate>.
 
 Loaded as a plugin (-p benchmarks.stress) it is what repeats the targets: --stress-rounds N.
@@ -27,7 +27,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fsdp_amp_suite import paths
+
+ROOT = str(paths.ROOT)
 GATE_PATHS = ["tests/conformance", "tests/matrix", "tests/repro"]
 ROUND = "stress_round"
 STOP_GRACE_S = 120  # for the stopped child to end its workers and write its report
@@ -75,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
 
 def workers() -> str:
     """ci/gpu.sh's worker count where there is a GPU, else auto."""
-    from tests.harness.budget import context_budget, gate_workers, visible_gpus
+    from fsdp_amp_suite.harness.budget import context_budget, gate_workers, visible_gpus
 
     if visible_gpus() == 0:
         return "auto"
@@ -94,7 +96,7 @@ def main():
     args, extra = ap.parse_known_args()
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: must be at least 1")
-    from tests.child_run import clean_env
+    from fsdp_amp_suite.child_run import clean_env
 
     env = clean_env()
     if args.cpu_ranks:

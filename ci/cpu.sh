@@ -12,6 +12,7 @@ mkdir -p "$OUT"
 . "$VENV/bin/activate"
 python -m pip install -q -r requirements.txt                              # README: the install
 python -m pip install -q -r requirements-integrations.txt                 # the frameworks the scaler runs in
+python -m pip install -q --no-deps -e .                                   # the suite's plugin, as a consumer has it
 python -m pip install -q --require-hashes -r requirements-ci.txt          # CI tools, pinned by hash
 actionlint .github/workflows/*.yml                                          # the workflows lint clean
 SECONDS=0

@@ -3,7 +3,7 @@
 #   ci/gpu.sh OUT_DIR [extra pytest args]
 # 1 GPU: multi-rank cases run as gloo ranks sharing it; >= 2 GPUs: NCCL, one GPU per rank (the
 # harness picks per test). Exits non-zero on any unexpected outcome: a failure, an error, or a
-# strict xfail that passed (an upstream fix: update tests/known_bugs.py KNOWN_BUGS).
+# strict xfail that passed (an upstream fix: update fsdp_amp_suite/known_bugs.py KNOWN_BUGS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: ci/gpu.sh OUT_DIR [pytest args]}"
@@ -21,11 +21,11 @@ if [ -n "$MISSING" ]; then
   exit 2
 fi
 # the GPU count, the CUDA contexts the rank pools may keep on one GPU across workers, and the workers that fit
-# (tests/harness/budget.py visible_gpus, context_budget, gate_workers), from nvidia-smi: importing torch here would
+# (fsdp_amp_suite/harness/budget.py visible_gpus, context_budget, gate_workers), from nvidia-smi: importing torch here would
 # cost seconds before pytest imports it again; pytest's --require-gpu then stops at start-up if torch sees no GPU
 read -r GPUS CONTEXTS WORKERS TORCH < <(python3 -c "
 import importlib.metadata, os
-from tests.harness.budget import context_budget, gate_workers, visible_gpus
+from fsdp_amp_suite.harness.budget import context_budget, gate_workers, visible_gpus
 n = visible_gpus()
 print(n, context_budget(0) if n else 0, gate_workers(len(os.sched_getaffinity(0)), context_budget(0)) if n else 0,
       importlib.metadata.version('torch'))") || { echo "ci/gpu.sh: python3 cannot size the gate" >&2; exit 2; }
@@ -35,7 +35,7 @@ if [ "${GPUS:-0}" -eq 0 ]; then
 fi
 CORES=$(nproc)
 echo "ci/gpu.sh: $GPUS GPU(s), $CORES cores, $CONTEXTS CUDA contexts per GPU -> pytest -n $WORKERS; torch $TORCH"
-# GPU memory in use, once a second (tests/harness/budget.py CONTEXT_GIB is derived from the gate's peak), and
+# GPU memory in use, once a second (fsdp_amp_suite/harness/budget.py CONTEXT_GIB is derived from the gate's peak), and
 # which processes hold it, every 5 s (benchmarks/gpu_processes.py)
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -l 1 \
@@ -55,7 +55,7 @@ fi
 # Order: one test per send hands out tests in collection order, so the run ends with the tests collected last.
 # Longest first: the meta-tests' child runs, then the standalone repros' forked runs, then the matrix's short cases
 # last, which fill the workers' ends evenly.
-# the standalone repros' runs are recorded for docs/upstream/runs.json (python -m tests.upstream.reports --merge)
+# the standalone repros' runs are recorded for docs/upstream/runs.json (python -m fsdp_amp_suite.upstream.reports --merge)
 FSDP_AMP_STANDALONE_RECORD="$OUT/standalone-runs" \
 python3 -m pytest -n "$WORKERS" --maxschedchunk 1 -m "not slow" tests/meta tests/upstream tests/repro tests/conformance tests/matrix \
   --require-gpu -p benchmarks.cputime --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json" "$@"

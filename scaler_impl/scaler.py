@@ -35,7 +35,7 @@ _CPU = torch.device("cpu")
 
 def _f32(x: float) -> float:
     """Round a Python float to float32 (inf on overflow), as the torch scale tensor would hold it.
-    (tests/conformance/problem.py has its own: the oracle does not import the code it judges.)"""
+    (fsdp_amp_suite/conformance/problem.py has its own: the oracle does not import the code it judges.)"""
     return torch.tensor(x, dtype=torch.float64).float().item()
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.conformance.problem import (Problem, build_scaler, equal_lists, placement_params, run_at, sgd)
+from fsdp_amp_suite.conformance.problem import (Problem, build_scaler, equal_lists, placement_params, run_at, sgd)
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
 

@@ -17,9 +17,9 @@ import math
 import pytest
 import torch.distributed as dist
 
-from tests.conformance.problem import (Problem, build_scaler, equal_lists, device_mode, keep_gpu_busy,
+from fsdp_amp_suite.conformance.problem import (Problem, build_scaler, equal_lists, device_mode, keep_gpu_busy,
                                       placement_params, sgd)
-from tests.harness import run_on_ranks
+from fsdp_amp_suite.harness import run_on_ranks
 
 pytestmark = [pytest.mark.conformance, pytest.mark.gpu, pytest.mark.report_column("busy GPU")]
 # A scaler that reads its copies early loses the race in nearly every trial with this much queued work (docs/bugs.md:

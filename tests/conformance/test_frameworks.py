@@ -16,8 +16,8 @@ import tempfile
 import pytest
 import torch
 
-from tests.harness import Harness
-from tests.versions import import_problem
+from fsdp_amp_suite.harness import Harness
+from fsdp_amp_suite.versions import import_problem
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("frameworks")]
 
@@ -50,7 +50,7 @@ def _loss(model, x) -> torch.Tensor:
 def _scaler(spec, device):
     if spec == "oracle":
         return torch.amp.GradScaler(device, **SETTINGS)
-    from tests.scalers import make_scaler
+    from fsdp_amp_suite.scalers import make_scaler
     return make_scaler(spec, device=device, **SETTINGS)
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.scalers import make_scaler
-from tests.harness import cached_mesh, run_on_ranks
-from tests.matrix.implementations import FSDP2_CPU_REASON, FSDP2_CPU_TORCH, fsdp2_api
-from tests.versions import holds
+from fsdp_amp_suite.scalers import make_scaler
+from fsdp_amp_suite.harness import cached_mesh, run_on_ranks
+from fsdp_amp_suite.matrix.implementations import FSDP2_CPU_REASON, FSDP2_CPU_TORCH, fsdp2_api
+from fsdp_amp_suite.versions import holds
 
 pytestmark = [pytest.mark.conformance,
               pytest.mark.skipif(not torch.cuda.is_available() and holds(torch=FSDP2_CPU_TORCH), reason=FSDP2_CPU_REASON),

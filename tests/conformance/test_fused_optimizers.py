@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, deterministic_fill, device_of, equal_lists,
+from fsdp_amp_suite.conformance.problem import (INF_VALUES, Problem, build_scaler, deterministic_fill, device_of, equal_lists,
                                        placement_params, run_at)
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("fused optimizers")]

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.meshes import R, on_mesh
-from tests.conformance.problem import INF_VALUES, PLACEMENTS, device_of, local, placement_params, run_at
-from tests.harness import cached_mesh
-from tests.scalers import make_scaler
-from tests.versions import DTENSOR_REASON, DTENSOR_TORCH, holds
+from fsdp_amp_suite.conformance.meshes import R, on_mesh
+from fsdp_amp_suite.conformance.problem import INF_VALUES, PLACEMENTS, device_of, local, placement_params, run_at
+from fsdp_amp_suite.harness import cached_mesh
+from fsdp_amp_suite.scalers import make_scaler
+from fsdp_amp_suite.versions import DTENSOR_REASON, DTENSOR_TORCH, holds
 
 pytestmark = [pytest.mark.conformance, pytest.mark.skipif(holds(torch=DTENSOR_TORCH), reason=DTENSOR_REASON),
               pytest.mark.report_column("meshes")]

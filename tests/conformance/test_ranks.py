@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_lists, placement_params,
+from fsdp_amp_suite.conformance.problem import (INF_VALUES, Problem, build_scaler, equal_lists, placement_params,
                                        reference_scales, run_at, run_steps, sgd, step_with_rank1_without_grads)
-from tests.harness import RankHung, cached_group, run_on_ranks
+from fsdp_amp_suite.harness import RankHung, cached_group, run_on_ranks
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("across ranks")]
 

@@ -9,9 +9,9 @@ observed with the reference model (problem.reference_scales).
 import pytest
 import torch
 
-from tests.conformance import checkpoints
-from tests.conformance.checkpoints import PATTERN, SETTINGS, SPLIT
-from tests.conformance.problem import (Problem, ScalerModel, build_scaler, equal_lists, placement_params, reference_scales, run_at,
+from fsdp_amp_suite.conformance import checkpoints
+from fsdp_amp_suite.conformance.checkpoints import PATTERN, SETTINGS, SPLIT
+from fsdp_amp_suite.conformance.problem import (Problem, ScalerModel, build_scaler, equal_lists, placement_params, reference_scales, run_at,
                                        run_steps, sgd)
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
@@ -186,7 +186,7 @@ def _from_file(spec, placement, path, pattern, split):
 @pytest.mark.parametrize("placement", ["cpu"])
 def test_a_checkpoint_saved_by_another_torch_loads_and_resumes(scaler, placement, path):
     """Checkpoints of each scaler saved by other torch versions, the oldest supported to the newest
-    (tests/conformance/checkpoints, each file's name says which), load into the scaler under test on this torch
+    (fsdp_amp_suite/conformance/checkpoints, each file's name says which), load into the scaler under test on this torch
     and resume the schedule where it stopped."""
     out = run_at(placement, _from_file, scaler, placement, str(path), PATTERN, SPLIT)[0]
     assert out["scales"] == reference_scales(*SETTINGS.values(), PATTERN)[SPLIT:]

@@ -5,9 +5,9 @@ Hypothesis profile (derandomized, a fixed budget); `--hypothesis-profile=deep` r
 """
 import pytest
 
-from tests import versions
-from tests.conformance.problem import placement_params
-from tests.conformance.sequences import SEQUENCE_PLACEMENTS, MeshContract, ScalerContract, run_machine
+from fsdp_amp_suite import versions
+from fsdp_amp_suite.conformance.problem import placement_params
+from fsdp_amp_suite.conformance.sequences import SEQUENCE_PLACEMENTS, MeshContract, ScalerContract, run_machine
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("sequences")]
 

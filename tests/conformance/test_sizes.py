@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from tests.conformance.problem import DTYPES, Problem, build_scaler, device_mode, placement_params
-from tests.harness import run_on_ranks
-from tests.scalers import make_scaler
+from fsdp_amp_suite.conformance.problem import DTYPES, Problem, build_scaler, device_mode, placement_params
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.scalers import make_scaler
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("model sizes")]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.amp.grad_scaler import OptState
 
-from tests.conformance.problem import PLACEMENTS, build_scaler, placement_params, run_at, Problem
+from fsdp_amp_suite.conformance.problem import PLACEMENTS, build_scaler, placement_params, run_at, Problem
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
 

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tests.matrix import axes, implementations
+from fsdp_amp_suite.matrix import axes, implementations
 
 pytestmark = pytest.mark.matrix
 

@@ -9,11 +9,11 @@ that reruns exactly that cell in fresh processes.
 import pytest
 import torch
 
-from tests.harness import run_on_ranks
-from tests.matrix import axes
-from tests.matrix.cell import train_cell
-from tests.matrix.compare import cell_problem, step_table
-from tests.report import rerun_command
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.matrix import axes
+from fsdp_amp_suite.matrix.cell import train_cell
+from fsdp_amp_suite.matrix.compare import cell_problem, step_table
+from fsdp_amp_suite.report import rerun_command
 
 pytestmark = pytest.mark.matrix
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from benchmarks import junit
-from tests.child_run import ROOT, clean_env
+from fsdp_amp_suite.child_run import ROOT, clean_env
 
 pytestmark = pytest.mark.slow  # a child pytest run: CPU work, ci/cpu.sh runs it, the GPU gate leaves it out
 

@@ -1,6 +1,6 @@
 """The known bugs are written up inside the repository, and nowhere else.
 
-Proves that (a) README.md's known-bugs table is the one `python -m tests.bugtable` generates from
+Proves that (a) README.md's known-bugs table is the one `python -m fsdp_amp_suite.bugtable` generates from
 KNOWN_BUGS and the repro cases' marks; (b) docs/bugs.md has a `## <id>` section for every KNOWN_BUGS
 entry, and every section names an entry, in KNOWN_BUGS order; (c) every `@pytest.mark.repro_of` id
 in tests/repro names a KNOWN_BUGS entry; (d) no tracked file cites a document from outside the
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import bugtable
-from tests.known_bugs import EVERY_SCALER, KNOWN_BUGS
+from fsdp_amp_suite import bugtable
+from fsdp_amp_suite.known_bugs import EVERY_SCALER, KNOWN_BUGS
 
 REPO = bugtable.REPO
 README = REPO / "README.md"
@@ -36,7 +36,7 @@ def test_readme_table_is_generated_from_known_bugs():
         pytest.fail(str(exc), pytrace=False)
     if delta:
         pytest.fail("README.md's known-bugs table is not the generated one: run "
-                    "`python -m tests.bugtable --write README.md`\n" + delta, pytrace=False)
+                    "`python -m fsdp_amp_suite.bugtable --write README.md`\n" + delta, pytrace=False)
 
 
 def test_a_stale_readme_table_is_a_diff_and_write_fixes_it(tmp_path):
@@ -68,10 +68,10 @@ def test_rows_are_data_and_render_is_markdown():
     assert r.repro == ("tests/repro/test_a.py", "tests/repro/test_b.py")  # its own case first
     line = bugtable.render([r]).splitlines()[2]
     assert line.startswith(f"| [`{bug.id}`](docs/bugs.md#{bug.id}) | {bug.title} | {bugtable.EVERY_SCALER} |")
-    assert f"| {bug.reach.kind} | [`{bug.standalone_file}.py`](tests/repro/standalone/{bug.standalone_file}.py)" in line
-    row = bugtable.Row("x", "a | b", ("ours",), "<2.6", "", (), "reachable", "tests/repro/standalone/x.py", "docs/upstream/x.md")
+    assert f"| {bug.reach.kind} | [`{bug.standalone_file}.py`](fsdp_amp_suite/repro/standalone/{bug.standalone_file}.py)" in line
+    row = bugtable.Row("x", "a | b", ("ours",), "<2.6", "", (), "reachable", "fsdp_amp_suite/repro/standalone/x.py", "docs/upstream/x.md")
     assert bugtable.render([row]).splitlines()[2] == (
-        "| [`x`](docs/bugs.md#x) | a \\| b | `ours` | `<2.6` | any | reachable | [`x.py`](tests/repro/standalone/x.py), "
+        "| [`x`](docs/bugs.md#x) | a \\| b | `ours` | `<2.6` | any | reachable | [`x.py`](fsdp_amp_suite/repro/standalone/x.py), "
         "[report](docs/upstream/x.md) | conformance / matrix |")
 
 
@@ -94,7 +94,7 @@ def test_docs_have_one_section_per_known_bug():
 
 
 def test_each_section_says_whether_real_training_reaches_it_and_names_its_standalone_repro():
-    from tests.known_bugs import STANDALONE_DIR
+    from fsdp_amp_suite.known_bugs import STANDALONE_DIR
 
     doc = DOC.read_text(encoding="utf-8")
     for bug in KNOWN_BUGS:

@@ -1,7 +1,7 @@
 """A runner's broken environment reads as one line, not as a rank traceback per check."""
 import importlib.metadata
 
-from tests.versions import import_problem
+from fsdp_amp_suite.versions import import_problem
 
 
 def test_an_installed_framework_that_does_not_import_is_one_line_naming_the_error_and_the_versions(tmp_path,

@@ -1,5 +1,5 @@
 """The expectation policy as a table: for each kind of check (a scaler check, a matrix cell, a repro case, a
-consumer's --xfails-file entry) on each kind of machine, `tests/expectations.py` `expectation` says pass,
+consumer's --xfails-file entry) on each kind of machine, `fsdp_amp_suite/expectations.py` `expectation` says pass,
 strict xfail (naming its bug or entry) or skip (with its reason), and which known bug the version table
 attributes the check to. The function is pure, so the table is the whole test: no pytest run, no ranks.
 A table of bugs of its own keeps the rows independent of KNOWN_BUGS' wording; one row checks the real one.
@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 from packaging.version import Version
 
-from tests.expectations import BugShown, Expectation, Machine, ReproOf, expectation
-from tests.known_bugs import EVERY_SCALER, KNOWN_BUGS, KnownBug
-from tests.matrix import axes
-from tests.xfails import Entry
+from fsdp_amp_suite.expectations import BugShown, Expectation, Machine, ReproOf, expectation
+from fsdp_amp_suite.known_bugs import EVERY_SCALER, KNOWN_BUGS, KnownBug
+from fsdp_amp_suite.matrix import axes
+from fsdp_amp_suite.xfails import Entry
 
 TORCH = {"torch": Version("2.13.0"), "fairscale": Version("0.4.13")}
 CPU = Machine(cuda=False, n_gpus=0, versions=TORCH)

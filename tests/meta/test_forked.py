@@ -1,4 +1,4 @@
-"""tests/upstream/forked.py runs a file as `python FILE` would: a probe file prints what a script can see of its
+"""fsdp_amp_suite/upstream/forked.py runs a file as `python FILE` would: a probe file prints what a script can see of its
 interpreter, and a forked run must print what a fresh run prints, exit as it exits, and leave no process behind
 when it hangs past its timeout."""
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.upstream import forked
+from fsdp_amp_suite.upstream import forked
 
 # child processes: CPU work, which ci/cpu.sh runs and the GPU gate leaves out
 pytestmark = [pytest.mark.harness, pytest.mark.slow]

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import Harness, RankDied, RankHung, RankRaised, missing_requirement
-from tests.child_run import ROOT as REPO
-from tests.harness.copies import blocking_copies
-from tests.harness.ranks import pool_key
-from tests.harness.pool import PEER_GRACE_S, unmatched_collective
-from tests.harness.task import Task, run_task
-from tests.meta.sessions.children import is_zombie
+from fsdp_amp_suite.harness import Harness, RankDied, RankHung, RankRaised, missing_requirement
+from fsdp_amp_suite.child_run import ROOT as REPO
+from fsdp_amp_suite.harness.copies import blocking_copies
+from fsdp_amp_suite.harness.ranks import pool_key
+from fsdp_amp_suite.harness.pool import PEER_GRACE_S, unmatched_collective
+from fsdp_amp_suite.harness.task import Task, run_task
+from fsdp_amp_suite.sessions.children import is_zombie
 
 pytestmark = pytest.mark.harness
 
@@ -469,8 +469,8 @@ def test_blocking_copies_make_every_non_blocking_copy_blocking_here_and_in_the_r
 # ---------------------------------------------------------------- process groups live as long as their ranks
 
 # Scripts that start processes of their own (no pool rank runs them), and the harness that keeps the groups.
-OWN_PROCESSES = ("tests/harness/", "tests/meta/", "tests/repro/standalone/", "tests/matrix/probe_fsdp2_cpu.py",
-                 "tests/conformance/checkpoints/__main__.py")
+OWN_PROCESSES = ("fsdp_amp_suite/harness/", "tests/meta/", "fsdp_amp_suite/repro/standalone/", "fsdp_amp_suite/matrix/probe_fsdp2_cpu.py",
+                 "fsdp_amp_suite/conformance/checkpoints/__main__.py")
 GROUP_MAKERS = {"new_group", "destroy_process_group", "init_device_mesh", "DeviceMesh"}
 
 
@@ -489,4 +489,4 @@ def test_checks_make_process_groups_and_meshes_only_through_the_harness_cache():
                 name = getattr(node.func, "attr", getattr(node.func, "id", None))
                 if name in GROUP_MAKERS:
                     found.append(f"{rel}:{node.lineno} {name}(...)")
-    assert not found, "make them with tests.harness cached_group / cached_mesh instead:\n" + "\n".join(found)
+    assert not found, "make them with fsdp_amp_suite.harness cached_group / cached_mesh instead:\n" + "\n".join(found)

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.child_run import ROOT
-from tests.harness import Harness, RankFailure, budget, rank_device, run_on_ranks
-from tests.conformance.problem import keep_gpu_busy
-from tests.harness.copies import blocking_copies
-from tests.meta.sessions.children import SESSIONS, child_env
+from fsdp_amp_suite.child_run import ROOT
+from fsdp_amp_suite.harness import Harness, RankFailure, budget, rank_device, run_on_ranks
+from fsdp_amp_suite.conformance.problem import keep_gpu_busy
+from fsdp_amp_suite.harness.copies import blocking_copies
+from fsdp_amp_suite.sessions.children import SESSIONS, child_env
 
 pytestmark = pytest.mark.harness
 
@@ -237,7 +237,7 @@ def test_ranks_give_back_the_cuda_stack_reservation_after_each_task(device, worl
 def test_without_a_cuda_context_there_is_no_stack_to_release():
     """A fresh process, which has made no CUDA context (a pytest worker may have): nothing to do, and no error,
     with or without a CUDA driver."""
-    out = subprocess.run([sys.executable, "-c", "from tests.harness import budget; "
+    out = subprocess.run([sys.executable, "-c", "from fsdp_amp_suite.harness import budget; "
                           "print(budget.cuda_stack_bytes(), budget.release_cuda_stack())"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout) == (0, "None False\n"), out.stderr
@@ -298,7 +298,7 @@ def _early_reads(trials: int) -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): the async-copy race lives there")
 def test_blocking_copies_close_the_async_copy_race_window(harness):
-    """The race-free runs (tests/expectations.py rule 2) really close the window: read early without, never with."""
+    """The race-free runs (fsdp_amp_suite/expectations.py rule 2) really close the window: read early without, never with."""
     trials = 5
     assert harness.run(_early_reads, trials, world_size=1, device="cuda")[0] > 0, \
         "no early read without blocking copies: this check cannot tell the window closed"

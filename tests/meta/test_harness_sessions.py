@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from tests.child_run import ROOT
-from tests.harness import session
-from tests.meta.sessions.children import SESSIONS, child_env, processes_with, wait_until_gone
+from fsdp_amp_suite.child_run import ROOT
+from fsdp_amp_suite.harness import session
+from fsdp_amp_suite.sessions.children import SESSIONS, child_env, processes_with, wait_until_gone
 
 pytestmark = pytest.mark.harness
 
@@ -32,8 +32,8 @@ def test_no_process_outlives_a_pytest_session(tmp_path):
 
 _BURN_ON_RANKS = """
 import resource
-from tests.harness import run_on_ranks
-from tests.meta.sessions.case_pool import _pid_and_rank
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.sessions.case_pool import _pid_and_rank
 run_on_ranks(_pid_and_rank, world_size=2)
 own = resource.getrusage(resource.RUSAGE_SELF)
 print(own.ru_utime + own.ru_stime)
@@ -105,9 +105,9 @@ def test_torchrun_mode_runs_bodies_on_launcher_ranks(tmp_path):
 
 
 def test_run_on_ranks_uses_the_session_harness_built_from_the_options(request):
-    import conftest
+    from fsdp_amp_suite import checks
 
-    harness, _ = request.config.stash[conftest.HARNESS]
+    harness, _ = request.config.stash[checks.HARNESS]
     assert session() is harness
     assert (harness.isolate, harness.timeout) == (request.config.getoption("--isolate-ranks"),
                                                   request.config.getoption("--rank-timeout"))

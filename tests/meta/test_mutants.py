@@ -1,4 +1,4 @@
-"""The suite catches planted defects: each mutant scaler (tests/planted/scalers/) must fail its named checks.
+"""The suite catches planted defects: each mutant scaler (fsdp_amp_suite/planted/scalers/) must fail its named checks.
 
 Runs the conformance suite once, in a child pytest, against every mutant at once, each on the checks it names
 (--only-pairs), and reads the per-test outcomes from its report records (--report-json). `ours` itself is the
@@ -10,9 +10,9 @@ import pathlib
 
 import pytest
 
-from tests.child_run import ROOT, child_run_once
-from tests.planted import EXPECTED, SCALERS
-from tests.known_bugs import MESH, MESH_SEQUENCES, SEQUENCES
+from fsdp_amp_suite.child_run import ROOT, child_run_once
+from fsdp_amp_suite.planted import EXPECTED, SCALERS
+from fsdp_amp_suite.known_bugs import MESH, MESH_SEQUENCES, SEQUENCES
 
 pytestmark = pytest.mark.slow  # a child run of the suite: minutes on 2 cores, once per run (child_run_once)
 HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"

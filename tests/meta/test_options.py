@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from tests.child_run import ROOT, clean_env, runpytest
-from tests.harness import run_on_ranks
-from tests.matrix import axes
-from tests.matrix.cell import train_cell
-from tests.scalers import make_scaler
+from fsdp_amp_suite.child_run import ROOT, clean_env, runpytest
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.matrix import axes
+from fsdp_amp_suite.matrix.cell import train_cell
+from fsdp_amp_suite.scalers import make_scaler
 
 INI = os.path.join(ROOT, "pytest.ini")  # not an xfails file
 # the child runs of the main job below are CPU work: ci/cpu.sh runs them, the GPU gate leaves them out
@@ -25,7 +25,7 @@ CHILD_USAGE_ERROR = pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--scaler", "nope"], "--scaler 'nope': not a built-in (ours, torch_amp"),
     (["--scaler", "nosuchpkg.mod:make"], "--scaler 'nosuchpkg.mod:make': cannot import module 'nosuchpkg.mod'"),
-    (["--scaler", "tests.scalers:KNOWN_BUGS"], "module 'tests.scalers' has no callable 'KNOWN_BUGS'"),
+    (["--scaler", "fsdp_amp_suite.scalers:KNOWN_BUGS"], "module 'fsdp_amp_suite.scalers' has no callable 'KNOWN_BUGS'"),
     (["--fsdp", "fsdp3"], "--fsdp 'fsdp3': not a built-in (fairscale, fsdp1, fsdp2)"),
     (["--rank-timeout", "0"], "--rank-timeout 0.0: must be a positive number of seconds"),
     (["--report", "/nonexistent/dir/r.md"], "--report '/nonexistent/dir/r.md': cannot be written (No such file"),
@@ -80,7 +80,7 @@ def test_a_scaler_named_by_its_file_resolves_and_a_shadowed_tests_package_is_exp
 
 
 def test_only_pairs_keeps_each_scaler_on_its_checks_and_names_a_bad_file(tmp_path):
-    from tests.options import kept_by_pairs, read_pairs
+    from fsdp_amp_suite.options import kept_by_pairs, read_pairs
 
     good = tmp_path / "pairs.json"
     good.write_text('{"ours": "*", "mod:mutant": ["test_a"]}')
@@ -111,7 +111,7 @@ def test_an_fsdp_factory_returning_a_non_module_is_named():
 
 # ---------------------------------------------------------------- every option, in both forms, from anywhere
 # The suite's options take a value: a PATH or a SPEC. pytest must know them before it reads the command line
-# (tests/options.py), or an existing PATH after one is taken for a test path. So every form runs with the
+# (fsdp_amp_suite/options.py), or an existing PATH after one is taken for a test path. So every form runs with the
 # files already there: from the suite's root and from a consumer's directory with the suite's path given,
 # with and without xdist. A consumer project with a pytest configuration of its own gets a usage error
 # naming the fix, and the fix works.

@@ -1,13 +1,13 @@
-"""The registry of planted defects (tests/planted): every planted defect has a job and a name of its own, and
-that name is the factory the suite's own resolution finds (`--scaler tests.planted.scalers:<name>`,
-`--fsdp tests.planted.wrappers:<name>`): a factory the module forgot to bind, or bound to another class, is named.
+"""The registry of planted defects (fsdp_amp_suite/planted): every planted defect has a job and a name of its own, and
+that name is the factory the suite's own resolution finds (`--scaler fsdp_amp_suite.planted.scalers:<name>`,
+`--fsdp fsdp_amp_suite.planted.wrappers:<name>`): a factory the module forgot to bind, or bound to another class, is named.
 """
 import pytest
 
-from tests import scalers
-from tests.matrix import implementations
-from tests.planted.scalers.checking import MissesNaN
-from tests.planted.registry import REGISTERED_SCALERS, REGISTERED_WRAPPERS, BrokenWrapper, Mutant, mutant
+from fsdp_amp_suite import scalers
+from fsdp_amp_suite.matrix import implementations
+from fsdp_amp_suite.planted.scalers.checking import MissesNaN
+from fsdp_amp_suite.planted.registry import REGISTERED_SCALERS, REGISTERED_WRAPPERS, BrokenWrapper, Mutant, mutant
 
 
 def problems(mutants, wrappers) -> list[str]:
@@ -47,9 +47,9 @@ def test_a_jobless_repeated_or_unbound_defect_is_named():
     found = "\n".join(problems(mutants, wrappers))
     assert f"{ok.name!r}: registered 2 times" in found, found
     assert "'jobless': no job" in found, found
-    assert "'jobless': --scaler 'tests.planted.scalers.checking:jobless'" in found, found  # no such name in the module
-    assert "'misses_nan': --scaler tests.planted.scalers.checking:misses_nan resolves to" in found, found
-    assert "'never_bound': --fsdp 'tests.planted.wrappers:never_bound'" in found, found
+    assert "'jobless': --scaler 'fsdp_amp_suite.planted.scalers.checking:jobless'" in found, found  # no such name in the module
+    assert "'misses_nan': --scaler fsdp_amp_suite.planted.scalers.checking:misses_nan resolves to" in found, found
+    assert "'never_bound': --fsdp 'fsdp_amp_suite.planted.wrappers:never_bound'" in found, found
     assert len(found.splitlines()) == 5, found
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.child_run import ROOT, clean_env
+from fsdp_amp_suite.child_run import ROOT, clean_env
 
 REPO = Path(ROOT)
 SECTION = "## Use the scaler in your training"

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import torch
 
-from tests import report
-from tests.harness.failures import death
-from tests.child_run import ROOT
-from tests.records import Cell, Report
+from fsdp_amp_suite import report
+from fsdp_amp_suite.harness.failures import death
+from fsdp_amp_suite.child_run import ROOT
+from fsdp_amp_suite.records import Cell, Report
 
 
 def rep(nodeid, outcome, scaler="ours", family="single rank", when="call", reason=None, **props):
@@ -102,7 +102,7 @@ def test_a_failure_in_a_file_without_a_family_makes_the_headline_unexpected(pyte
     pytester.makepyfile(test_zz_new=NEW_FILE, test_zz_declared=DECLARED)
     pytester.makeini("[pytest]\n")
     monkeypatch.setenv("PYTHONPATH", ROOT)  # the child imports the report plugin from this checkout
-    result = pytester.runpytest_subprocess("-p", "tests.options", "-p", "tests.report", "-p", "no:cacheprovider", "-p", "no:xdist",
+    result = pytester.runpytest_subprocess("-p", "fsdp_amp_suite.options", "-p", "fsdp_amp_suite.report", "-p", "no:cacheprovider", "-p", "no:xdist",
                                            "--report", "r.md")
     result.assert_outcomes(passed=2, failed=1)
     text = (pytester.path / "r.md").read_text()
@@ -112,7 +112,7 @@ def test_a_failure_in_a_file_without_a_family_makes_the_headline_unexpected(pyte
 
 
 def test_xfails_file_entries_match_a_test_or_every_param_of_a_function(tmp_path):
-    from tests import xfails
+    from fsdp_amp_suite import xfails
 
     path = tmp_path / "x.txt"
     path.write_text("# ours\n\ntests/a.py::test_f[p1]  # T-1\ntests/a.py::test_g\ntests/a.py::test_gone\n")
@@ -136,7 +136,7 @@ Thread 0x00007f3a (most recent call first):
 
 Current thread 0x00007f3b (most recent call first):
   File "{TORCH_DIR}/distributed/_functional_collectives.py", line 203 in all_gather_tensor
-  File "{ROOT}/tests/matrix/cell.py", line 240 in full_params
+  File "{ROOT}/fsdp_amp_suite/matrix/cell.py", line 240 in full_params
 """
 
 

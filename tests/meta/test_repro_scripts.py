@@ -1,4 +1,4 @@
-"""A repro file runs on any scaler: as a script (`python -m tests.repro NAME --scaler SPEC`), and under pytest
+"""A repro file runs on any scaler: as a script (`python -m fsdp_amp_suite.repro NAME --scaler SPEC`), and under pytest
 through the root conftest's scaler parametrization (a plugged scaler gets no built-in known bug: showing the bug
 fails its case)."""
 import os
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.child_run import ROOT, clean_env, runpytest
-from tests.scalers import spec_id
+from fsdp_amp_suite.child_run import ROOT, clean_env, runpytest
+from fsdp_amp_suite.scalers import spec_id
 
 pytestmark = pytest.mark.harness
 REPRO = "tests/repro/test_cpu_scale_grows_to_inf.py"  # runs on CPU
-NAME = "cpu_scale_grows_to_inf"  # its name for python -m tests.repro
-MUTANT = "tests.planted.scalers:grows_to_inf"  # has that bug
+NAME = "cpu_scale_grows_to_inf"  # its name for python -m fsdp_amp_suite.repro
+MUTANT = "fsdp_amp_suite.planted.scalers:grows_to_inf"  # has that bug
 
 
 def _run(*args):
@@ -23,7 +23,7 @@ def _run(*args):
 
 
 def test_the_script_shows_a_plugged_scalers_outcome():
-    proc = _run("-m", "tests.repro", NAME, "--scaler", "ours", "--scaler", MUTANT)
+    proc = _run("-m", "fsdp_amp_suite.repro", NAME, "--scaler", "ours", "--scaler", MUTANT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line and not line[0].isspace()}
     assert lines["ours"].split()[1] == "ok:" and lines[MUTANT].split()[1] == "BUG:", proc.stdout
@@ -31,9 +31,9 @@ def test_the_script_shows_a_plugged_scalers_outcome():
 
 
 def test_an_unknown_name_is_a_usage_error_naming_it_and_no_name_lists_the_files():
-    proc = _run("-m", "tests.repro", "no_such_repro")
+    proc = _run("-m", "fsdp_amp_suite.repro", "no_such_repro")
     assert proc.returncode == 2 and "no_such_repro" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
-    proc = _run("-m", "tests.repro")
+    proc = _run("-m", "fsdp_amp_suite.repro")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in (Path(ROOT) / "tests" / "repro").glob("test_*.py"))
     assert proc.stdout.split() == [f[len("test_"):-len(".py")] for f in files], proc.stdout
@@ -53,7 +53,7 @@ def test_the_repro_case_runs_on_plugged_scalers_under_pytest(pytester, monkeypat
 def _repro_files_in_parts(parts: int) -> list[list[str]]:
     """The repro files dealt into `parts` child runs (one run of them all was the GPU gate's longest test, 82 s):
     the files with a case that runs without CUDA first, so that every part has something to pass on CPU too."""
-    from tests.repro.runner import cases, names
+    from fsdp_amp_suite.repro.runner import cases, names
 
     def cpu_runnable(name):
         return any(case.repro.repro_of.needs != "cuda" for case in cases(name))

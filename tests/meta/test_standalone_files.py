@@ -1,4 +1,4 @@
-"""The standalone repros (tests/repro/standalone, docs/upstream/README.md) keep their contract, and KNOWN_BUGS
+"""The standalone repros (fsdp_amp_suite/repro/standalone, docs/upstream/README.md) keep their contract, and KNOWN_BUGS
 keeps what the reports and the bug table say of them: one file per entry or shared by one defect's entries,
 nothing imported but the standard library, torch and (in fairscale's files) fairscale, the report's sections in
 every docstring, a real-training run for every reachable entry, the reports and the recorded runs current.
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from tests.expectations import NEEDS, BugShown
-from tests.known_bugs import EVERY_RUN, INJECTION_ONLY, KNOWN_BUGS, REACHABLE, STANDALONE_DIR, standalone_files
-from tests.upstream import reports
-from tests.upstream.runs import ROOT, modes, path_of, verdict
+from fsdp_amp_suite.expectations import NEEDS, BugShown
+from fsdp_amp_suite.known_bugs import EVERY_RUN, INJECTION_ONLY, KNOWN_BUGS, REACHABLE, STANDALONE_DIR, standalone_files
+from fsdp_amp_suite.upstream import reports
+from fsdp_amp_suite.upstream.runs import ROOT, modes, path_of, verdict
 
 pytestmark = pytest.mark.harness
 FILES = standalone_files()
@@ -84,7 +84,7 @@ def test_every_entry_says_whether_real_training_reaches_it():
 
 def test_the_reports_are_current():
     stale = reports.check(ROOT / "docs" / "upstream", reports.load_runs())
-    assert not stale, f"run `python -m tests.upstream.reports --write docs/upstream`: {stale}"
+    assert not stale, f"run `python -m fsdp_amp_suite.upstream.reports --write docs/upstream`: {stale}"
 
 
 def test_the_recorded_runs_cover_every_report_and_match_known_bugs():
@@ -95,7 +95,7 @@ def test_the_recorded_runs_cover_every_report_and_match_known_bugs():
         ran = {r["mode"] for r in runs if r["file"] == bug.id and r["status"] != 77}
         if bug.needs != "cuda":
             assert {"plain", "with-fix"} <= ran, (f"{bug.id}: no recorded plain and --with-fix run; run `python -m "
-                                                  f"tests.upstream.reports --record docs/upstream/runs.json`")
+                                                  f"fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json`")
     wrong = [r for r in runs if r["file"] in FILES and r["status"] != reports.expected_status(r["file"], r)]
     assert not wrong, [(r["file"], r["mode"], r["torch"], r["status"]) for r in wrong]
 

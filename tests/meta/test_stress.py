@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from benchmarks import stress
-from tests.child_run import ROOT, clean_env
+from fsdp_amp_suite.child_run import ROOT, clean_env
 
 
 def test_the_targets_run_again_after_every_check_ran_once():

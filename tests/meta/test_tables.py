@@ -2,20 +2,20 @@
 silently drop a known bug's xfail, a mutant's expectation or a report column.
 
 Checked against what the main job collects (the suite's testpaths with the built-in scalers and FSDP
-implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS (tests/known_bugs.py; an entry matches a check by its test names and
+implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS (fsdp_amp_suite/known_bugs.py; an entry matches a check by its test names and
 param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
-EXPECTED tests (tests/planted) and the report's COLUMNS (tests/report.py; each a module's report_column mark).
+EXPECTED tests (fsdp_amp_suite/planted) and the report's COLUMNS (fsdp_amp_suite/report.py; each a module's report_column mark).
 """
 import itertools
 import os
 
 import pytest
 
-from tests import report
-from tests.child_run import ROOT
-from tests.known_bugs import KNOWN_BUGS, KnownBug
-from tests.planted import EXPECTED
-from tests.scalers import BUILTINS
+from fsdp_amp_suite import report
+from fsdp_amp_suite.child_run import ROOT
+from fsdp_amp_suite.known_bugs import KNOWN_BUGS, KnownBug
+from fsdp_amp_suite.planted import EXPECTED
+from fsdp_amp_suite.scalers import BUILTINS
 
 
 def unmatched(collected) -> list[str]:
@@ -99,7 +99,7 @@ def test_a_stale_entry_is_named():
 def test_a_reworded_reason_keeps_its_repro_and_an_unknown_id_fails_loudly():
     """Repro cases name their bug by its id (@pytest.mark.repro_of), never by words of its reason: rewording
     keeps them working, and an id that names no entry is an error naming it (a usage error at collection)."""
-    from tests import known_bugs
+    from fsdp_amp_suite import known_bugs
 
     bug = known_bugs.bug_by_id("fairscale-state-dict-after-backoff")
     reworded = type(bug)(**{**bug.__dict__, "reason": "entirely new words"})

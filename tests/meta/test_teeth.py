@@ -13,17 +13,17 @@ that skips one unit's replicate reduction, a TP plan that leaves replicated grad
 """
 import pytest
 
-from tests import planted
-from tests.child_run import child_run_once, outcomes
+from fsdp_amp_suite import planted
+from fsdp_amp_suite.child_run import child_run_once, outcomes
 
 pytestmark = pytest.mark.slow  # child runs of the matrix: minutes on 2 cores, once per run (child_run_once)
 
 SLICE = "ws2 and nooffload and (fsdp1 or fsdp2) and (keeplow or climb)"
-# tests/planted/scalers/ declares each mutant's matrix role, with a comment saying where the matrix exposes it
+# fsdp_amp_suite/planted/scalers/ declares each mutant's matrix role, with a comment saying where the matrix exposes it
 MUTANTS = planted.matrix_mutants("small")  # the defects the matrix's schedule (cell.py) must expose
 WIDE_MUTANTS = planted.matrix_mutants("wide")  # wide cells only: the small model has 8 grads of <= 143 elements
-WRAPPERS = "tests.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
-BROKEN = planted.broken_wrappers("small")  # tests/planted/wrappers.py
+WRAPPERS = "fsdp_amp_suite.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
+BROKEN = planted.broken_wrappers("small")  # fsdp_amp_suite/planted/wrappers.py
 MESH_SLICE = "fsdp2 and (hsdp or tp) and fp32 and sgd and ws4"  # ids name a mesh only off 1d; a plugged fsdp2 spec matches too
 MESH_MUTANTS = planted.matrix_mutants("mesh")
 MESH_BROKEN = planted.broken_wrappers("mesh")

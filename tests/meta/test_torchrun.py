@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.child_run import ROOT, clean_env
+from fsdp_amp_suite.child_run import ROOT, clean_env
 
 pytestmark = [pytest.mark.gate, pytest.mark.slow]
 
@@ -45,6 +45,6 @@ def test_a_slice_runs_green_under_torchrun(tmp_path):
 
 
 def test_a_broken_scaler_fails_under_torchrun(tmp_path):
-    rc, outs = torchrun("tests.planted.scalers:no_agreement", tmp_path)
+    rc, outs = torchrun("fsdp_amp_suite.planted.scalers:no_agreement", tmp_path)
     assert rc != 0, "\n".join(o[-3000:] for o in outs)
     assert all(summary(out).get("failed", 0) >= 1 for out in outs), "\n".join(o[-3000:] for o in outs)

@@ -1,10 +1,10 @@
-"""The known bug x torch version table (python -m tests.version_table) on the --report-json files the
-report really writes: tiny child pytest runs (-p tests.options -p tests.report), one per "torch version".
+"""The known bug x torch version table (python -m fsdp_amp_suite.version_table) on the --report-json files the
+report really writes: tiny child pytest runs (-p fsdp_amp_suite.options -p fsdp_amp_suite.report), one per "torch version".
 
 One install runs one torch, so each child's conftest stands in for what differs between versions: the torch
 version the report names, its known-bug table (which bugs are in force), and the known bugs its checks xfail
 as (marked as the suite's conftest.py marks them). Everything else, every record and the --xfails-file
-entries that matched nothing, is what tests/report.py wrote and tests/records.py reads back.
+entries that matched nothing, is what fsdp_amp_suite/report.py wrote and fsdp_amp_suite/records.py reads back.
 """
 import dataclasses
 import json
@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from tests import version_table as table
-from tests.child_run import ROOT, clean_env
-from tests.records import Report, Unmatched
-from tests.version_table import BugCell, Status
+from fsdp_amp_suite import version_table as table
+from fsdp_amp_suite.child_run import ROOT, clean_env
+from fsdp_amp_suite.records import Report, Unmatched
+from fsdp_amp_suite.version_table import BugCell, Status
 
 # slow: child pytest runs, CPU work: ci/cpu.sh runs them, the GPU gate leaves them out
 pytestmark = [pytest.mark.harness, pytest.mark.slow]
@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests import report, versions, xfails
+from fsdp_amp_suite import report, versions, xfails
 
 SESSION = os.environ["TABLE_SESSION"]  # old (torch<2.6), new, xpass (new, and the open bug's check passes)
 IN_FORCE = {"old-bug", "cuda-bug", "open-bug"} if SESSION == "old" else {"cuda-bug", "open-bug"}
@@ -113,7 +113,7 @@ def runs(tmp_path_factory):
                                          ("red", "xpass", "2.13.0+cpu", [])]:
         out = dirs[where] / f"torch-{torch.split('+')[0]}.json"
         env = dict(clean_env(), PYTHONPATH=ROOT, TABLE_SESSION=session, TABLE_TORCH=torch)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.options", "-p", "tests.report",
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "fsdp_amp_suite.options", "-p", "fsdp_amp_suite.report",
                                "-p", "no:cacheprovider", "-p", "no:xdist", f"--report-json={out}", *extra],
                               cwd=child, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == (1 if session == "xpass" else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -179,14 +179,14 @@ def test_an_xfails_file_entry_that_matched_nothing_is_named(runs):
 
 
 def test_the_cli_reads_the_directory_prints_and_writes_markdown_without_pytest_or_torch(runs, tmp_path):
-    """python -m tests.version_table as the table job runs it (nox -s table: an interpreter with nox and packaging
+    """python -m fsdp_amp_suite.version_table as the table job runs it (nox -s table: an interpreter with nox and packaging
     alone)."""
     md = tmp_path / "table.md"
     no_pytest = ("import runpy, sys; sys.modules.update(pytest=None, torch=None); sys.argv = sys.argv[1:]; "
                  "runpy.run_module(sys.argv[0], run_name='__main__')")
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-c", no_pytest, "tests.version_table", *args], cwd=ROOT,
+        return subprocess.run([sys.executable, "-c", no_pytest, "fsdp_amp_suite.version_table", *args], cwd=ROOT,
                               env=clean_env(), capture_output=True, text=True, timeout=120)
 
     proc = cli(str(runs["green"]), "--markdown", str(md), "--expect", "2.4.1,2.10.0,2.13.0")

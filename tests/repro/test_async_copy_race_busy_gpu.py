@@ -19,14 +19,14 @@ offload); 20 trials, each with a new power-of-two scale (a stale copy from the l
 wrong); the clean case must leave exactly the unscaled grads and step; the inf case must skip and
 back off. The bug shows if any trial goes wrong. Needs one GPU, alone (a timing check).
 
-    python -m tests.repro async_copy_race_busy_gpu
+    python -m fsdp_amp_suite.repro async_copy_race_busy_gpu
 """
 import math
 
-from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd
-from tests.conformance.problem import keep_gpu_busy
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
+from fsdp_amp_suite.conformance.problem import Problem, build_scaler, equal_lists, sgd
+from fsdp_amp_suite.conformance.problem import keep_gpu_busy
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
 
 TRIALS = 20
 

@@ -10,11 +10,11 @@ compute_dtype=torch.bfloat16 and no CPU offload (world size 1), or from any mode
 Setup: one rank, three bf16 params on CUDA with exactly known grads, one clean scaled step. The
 grads must come out exactly unscaled and the step must apply. Needs one GPU.
 
-    python -m tests.repro bf16_grads_on_cuda
+    python -m fsdp_amp_suite.repro bf16_grads_on_cuda
 """
-from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
+from fsdp_amp_suite.conformance.problem import Problem, build_scaler, equal_lists, sgd
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
 
 
 def _bf16_step(scaler):

@@ -8,15 +8,15 @@ training silently stops for good. torch.amp.GradScaler("cpu") uses the kernel an
 fairscale's ShardedGradScaler has the same Python copy (on a machine without CUDA it disables itself
 instead). Runs on CPU (torch 2.13): scale 2**127, growth_interval 1, three clean steps.
 
-    python -m tests.repro cpu_scale_grows_to_inf
+    python -m fsdp_amp_suite.repro cpu_scale_grows_to_inf
 """
 import math
 
 import torch
 
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 TOP = 2.0**127  # float32 max is just under 2**128: one more growth is inf
 

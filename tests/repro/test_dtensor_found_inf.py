@@ -14,16 +14,16 @@
     DTensor").
 Four gloo ranks on CPU, mesh [[0, 1], [2, 3]] with dims (dp, tp); grads set directly (c * scale), no FSDP.
 
-    python -m tests.repro dtensor_found_inf
+    python -m fsdp_amp_suite.repro dtensor_found_inf
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from tests.harness import cached_mesh, run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import cached_mesh, run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 
 def _replicated_norm_first(scaler):

@@ -9,15 +9,15 @@ one and, at growth_interval 1, doubles the scale that just overflowed. Needs one
 scaler disables itself without CUDA); params and grads on CPU, the loss computed on the GPU and
 moved to CPU, world size 1 (NCCL).
 
-    python -m tests.repro fairscale_backoff_only_if_exactly_one
+    python -m fsdp_amp_suite.repro fairscale_backoff_only_if_exactly_one
 """
 import math
 
 import torch
 
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 
 def _two_optimizers_both_inf(scaler):

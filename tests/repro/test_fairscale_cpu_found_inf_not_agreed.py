@@ -13,15 +13,15 @@ Setup: 2 gloo ranks sharing one GPU, the scale on CUDA (the loss is computed the
 CPU (as under FSDP CPU offload), a different grad shard on each rank, an inf written into rank 1's
 grads only. Every rank must skip the step and back off once (256 -> 64). Needs one GPU.
 
-    python -m tests.repro fairscale_cpu_found_inf_not_agreed
+    python -m fsdp_amp_suite.repro fairscale_cpu_found_inf_not_agreed
 """
 import math
 
 import torch.distributed as dist
 
-from tests.conformance.problem import Problem, build_scaler, equal_lists, sgd
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
+from fsdp_amp_suite.conformance.problem import Problem, build_scaler, equal_lists, sgd
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
 
 
 def _one_step(scaler):

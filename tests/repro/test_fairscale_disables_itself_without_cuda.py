@@ -9,16 +9,16 @@ is all that says so. The scalers that take a device, built with device="cpu", st
 skip the step. Runs on CPU (fairscale 0.4.13, torch 2.13); on a machine with CUDA the bug does not
 apply and the file skips.
 
-    python -m tests.repro fairscale_disables_itself_without_cuda
+    python -m fsdp_amp_suite.repro fairscale_disables_itself_without_cuda
 """
 import math
 import warnings
 
 import torch
 
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 
 

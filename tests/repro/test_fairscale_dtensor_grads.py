@@ -18,16 +18,16 @@
 Two gloo ranks, a 1D mesh of both; grads set directly (c * scale), no FSDP. Needs one GPU: without CUDA
 fairscale disables itself (fairscale-disabled-without-cuda).
 
-    python -m tests.repro fairscale_dtensor_grads
+    python -m fsdp_amp_suite.repro fairscale_dtensor_grads
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from tests.harness import cached_mesh, run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import cached_mesh, run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 
 def _inf_in_rank1s_cpu_shard(scaler):

@@ -12,13 +12,13 @@ Setup: one rank (NCCL), a 2-layer MLP on CUDA wrapped as above (compute_dtype fp
 momentum (foreach on CUDA), one clean scaled step. The grads must be fp32 like their params and the
 step must apply. Needs one GPU.
 
-    python -m tests.repro fairscale_fsdp_mixed_precision_grads
+    python -m fsdp_amp_suite.repro fairscale_fsdp_mixed_precision_grads
 """
 import torch
 
-from tests.harness import rank_device, run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import rank_device, run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 
 def _fsdp_step(scaler):

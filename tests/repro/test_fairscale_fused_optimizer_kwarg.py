@@ -9,13 +9,13 @@ instead, and their step() accepts only a closure.
 Setup: one rank, three fp32 params on CUDA with exactly known grads, AdamW(fused=True), one clean
 scaled step. The step must apply. Needs one GPU.
 
-    python -m tests.repro fairscale_fused_optimizer_kwarg
+    python -m fsdp_amp_suite.repro fairscale_fused_optimizer_kwarg
 """
 import torch
 
-from tests.conformance.problem import Problem, build_scaler, equal_lists
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
+from fsdp_amp_suite.conformance.problem import Problem, build_scaler, equal_lists
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
 
 
 def _fused_step(scaler):

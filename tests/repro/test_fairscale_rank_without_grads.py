@@ -12,9 +12,9 @@ rank 1 only scales a detached loss (no grads); both call step() and update(). Ra
 rank 1 must take part without stepping, and both keep scale 256. A hang is bounded by a 20 s
 timeout. Needs one GPU.
 
-    python -m tests.repro fairscale_rank_without_grads
+    python -m fsdp_amp_suite.repro fairscale_rank_without_grads
 """
-from tests.repro.runner import case, rank_without_grads
+from fsdp_amp_suite.repro.runner import case, rank_without_grads
 
 # torch.amp.GradScaler has no cross-rank agreement; on the rank without grads it raises the same assert
 @case("A rank without grads (2 gloo ranks, one GPU, grads on CUDA)",

@@ -8,15 +8,15 @@ checkpoint can be saved after the first overflow (the tracker stays an int from 
 GPU (fairscale's scaler disables itself without CUDA); params and grads on CPU, the loss computed on
 the GPU and moved to CPU, world size 1 (NCCL).
 
-    python -m tests.repro fairscale_state_dict_after_backoff
+    python -m fsdp_amp_suite.repro fairscale_state_dict_after_backoff
 """
 import math
 
 import torch
 
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 
 def _state_after_backoff(scaler):

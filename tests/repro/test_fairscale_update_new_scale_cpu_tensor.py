@@ -12,13 +12,13 @@ Setup: one rank, params, grads, loss and scale on CPU; one clean scaled step at 
 update(new_scale=torch.tensor(32.0)) on CPU. The scale must become 32. Needs a GPU machine only
 because fairscale's scaler disables itself where CUDA is missing (then update() does nothing).
 
-    python -m tests.repro fairscale_update_new_scale_cpu_tensor
+    python -m fsdp_amp_suite.repro fairscale_update_new_scale_cpu_tensor
 """
 import torch
 
-from tests.conformance.problem import Problem, build_scaler, sgd
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
+from fsdp_amp_suite.conformance.problem import Problem, build_scaler, sgd
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
 
 
 def _update_with_cpu_tensor(scaler):

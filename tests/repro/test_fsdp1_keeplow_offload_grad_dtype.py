@@ -17,13 +17,13 @@ PyTorch's own test of this setting never zeroes the grads.
 Setup: one rank (NCCL), FSDP1 over a 2-layer MLP, bf16 mixed precision keeping bf16 grads, CPU
 offload, SGD, 3 scaled steps, once per zero_grad mode. Needs one GPU.
 
-    python -m tests.repro fsdp1_keeplow_offload_grad_dtype
+    python -m fsdp_amp_suite.repro fsdp1_keeplow_offload_grad_dtype
 """
 import torch
 
-from tests.harness import rank_device, run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import rank_device, run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 STEPS = 3
 

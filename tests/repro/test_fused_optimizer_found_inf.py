@@ -10,17 +10,17 @@ call step(), and the kernel returns early iff found_inf == 1.0 exactly.
     overflowing ranks the optimizer is handed 2.0 and applies the inf update.
 Both run on CPU; (b) on 2 gloo ranks.
 
-    python -m tests.repro fused_optimizer_found_inf
+    python -m fsdp_amp_suite.repro fused_optimizer_found_inf
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from tests.conformance.problem import deterministic_fill
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.conformance.problem import deterministic_fill
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 C = torch.tensor([0.25, 0.5, -1.0])  # the exact grad of w in loss = <w, C>
 

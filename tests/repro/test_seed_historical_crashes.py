@@ -17,16 +17,16 @@
     the CPU kernels of torch 2.3 unscale and update it there. This part needs a GPU (a CUDA scaler,
     a loss computed on the GPU and moved to CPU) and skips without one.
 
-    python -m tests.repro seed_historical_crashes
+    python -m fsdp_amp_suite.repro seed_historical_crashes
 """
 import math
 
 import pytest
 import torch
 
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 # both crashes are fixed for every built-in scaler (without CUDA fairscale's disables itself: its own known bug)
 # a plugged scaler (--scaler module:factory) has no history here: its outcome alone says whether it is fixed
@@ -62,7 +62,7 @@ def op_on_cpu_grads():
                    f"found_inf 1.0, grads multiplied by 0.25: {[w.tolist() for w in want]}")
 
 
-@pytest.mark.repro  # no scaler: a plain test (python -m tests.repro runs only the @case functions)
+@pytest.mark.repro  # no scaler: a plain test (python -m fsdp_amp_suite.repro runs only the @case functions)
 def test_the_op_runs_on_cpu_grads():
     outcome = op_on_cpu_grads()
     assert not outcome.bug, f"{outcome.happened} (want: {outcome.expected})"

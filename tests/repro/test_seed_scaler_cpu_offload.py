@@ -21,11 +21,11 @@ GPU and the grads on CPU, and the upstream scalers copy inv_scale/found_inf betw
 non_blocking=True and use the copy before it has surely landed (the async-copy race, KNOWN_BUGS
 async-copy-race-busy-gpu). With the GPU idle at step(), as here (fairscale's backward ends by
 synchronizing its grad copies), 0 of 20 trials missed on the H200, but the suite treats such cells as
-timing-dependent (tests/known_bugs.py race_reason), so for those scalers repro 1 checks only what the
+timing-dependent (fsdp_amp_suite/known_bugs.py race_reason), so for those scalers repro 1 checks only what the
 issue's crash was about: no exception and a finite loss (tests/conformance/test_busy_gpu.py checks the
 race on purpose). Needs one GPU; skips without one.
 
-    python -m tests.repro seed_scaler_cpu_offload
+    python -m fsdp_amp_suite.repro seed_scaler_cpu_offload
 """
 import math
 
@@ -33,10 +33,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.harness import run_on_ranks
-from tests.known_bugs import race_reason
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.known_bugs import race_reason
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 # both repros of fairscale issue #421 pass with every built-in scaler today
 

@@ -7,16 +7,16 @@ shape-[1] tensor the fused kernel cannot subtract from its shape-[] step counter
 it checks grads through _check_inf_per_device, which never reaches ShardedGradScaler.unscale_'s
 all_reduce. Found by the FSDP-vs-DDP matrix (torch 2.11 CUDA and 2.13 CPU). Runs on CPU (gloo).
 
-    python -m tests.repro sharded_scaler_fused_optimizer
+    python -m fsdp_amp_suite.repro sharded_scaler_fused_optimizer
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 
 def _fused_step(scaler, unscale_first, inf_on_rank):

@@ -8,16 +8,16 @@ scales disagree. A shard-aware scaler all-reduces found_inf over the process gro
 rank skips and backs off. Two gloo ranks on CPU, each holding its own grads (as FSDP's shards), an
 inf on rank 1 only. Runs on CPU (torch 2.13).
 
-    python -m tests.repro torch_amp_not_shard_aware
+    python -m fsdp_amp_suite.repro torch_amp_not_shard_aware
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_on_ranks
-from tests.repro.runner import Outcome, case
-from tests.scalers import make_scaler
+from fsdp_amp_suite.harness import run_on_ranks
+from fsdp_amp_suite.repro.runner import Outcome, case
+from fsdp_amp_suite.scalers import make_scaler
 
 
 def _inf_on_rank1(scaler):

@@ -12,9 +12,9 @@ on CUDA and runs a clean scaled backward; rank 1 only scales a detached loss (no
 step() and update(). Rank 0 must step, rank 1 must take part without stepping, both keep scale 256.
 The hang is bounded by a 20 s timeout. Needs one GPU.
 
-    python -m tests.repro torch_sharded_collective_per_device
+    python -m fsdp_amp_suite.repro torch_sharded_collective_per_device
 """
-from tests.repro.runner import case, rank_without_grads
+from fsdp_amp_suite.repro.runner import case, rank_without_grads
 
 # not this bug, but deterministic here: fairscale records no found_inf on the rank without grads
 # (test_fairscale_rank_without_grads.py), and torch.amp.GradScaler has no cross-rank agreement

@@ -1,10 +1,10 @@
-"""Every standalone repro (tests/repro/standalone/<id>.py, docs/upstream/README.md) run as a maintainer runs it:
+"""Every standalone repro (fsdp_amp_suite/repro/standalone/<id>.py, docs/upstream/README.md) run as a maintainer runs it:
 `python FILE` on this torch, with nothing of this repository on its path (forked with torch imported,
-tests/upstream/forked.py; `python -m tests.upstream.reports --record` starts each run fresh). Where an entry it
+fsdp_amp_suite/upstream/forked.py; `python -m fsdp_amp_suite.upstream.reports --record` starts each run fresh). Where an entry it
 shows is in force, the run is a strict xfail that only the file's own "bug is there" (exit 1 after its two lines)
 satisfies; where none is, it must exit 0. So a file that stops reproducing fails the suite, as a strict xfail
 that passes does. Each file runs plain, in each real-training mode of its entries (Reach.run), and with its
-proposed fix, which must exit 0 wherever the file runs. tests/expectations.py decides which (policy item 5).
+proposed fix, which must exit 0 wherever the file runs. fsdp_amp_suite/expectations.py decides which (policy item 5).
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.expectations import BugShown
-from tests.known_bugs import standalone_files
-from tests.upstream.runs import PLAIN, modes, run_file, verdict
+from fsdp_amp_suite.expectations import BugShown
+from fsdp_amp_suite.known_bugs import standalone_files
+from fsdp_amp_suite.upstream.runs import PLAIN, modes, run_file, verdict
 
 pytestmark = pytest.mark.repro
 
@@ -32,7 +32,7 @@ RECORD_DIR = "FSDP_AMP_STANDALONE_RECORD"  # env: a directory to write each run'
 def test_standalone_repro_shows_no_bug(standalone, mode):
     proc = run_file(standalone, mode)
     if os.environ.get(RECORD_DIR):
-        from tests.upstream.reports import record
+        from fsdp_amp_suite.upstream.reports import record
 
         record(standalone, mode, proc, Path(os.environ[RECORD_DIR]))
     if verdict(proc):

@@ -1,0 +1,651 @@
+"""The known upstream bugs of the built-in scalers and FSDP implementations, and what they decide.
+
+Each KNOWN_BUGS entry turns the matching built-in checks into xfail(strict=True), so the suite reports
+the day upstream fixes them; a plugged --scaler package.module:factory gets only the FSDP implementations'
+entries. fsdp_amp_suite/expectations.py applies the table to every check; docs/bugs.md writes each bug up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from packaging.specifiers import SpecifierSet
+
+from fsdp_amp_suite import versions
+from fsdp_amp_suite.conformance.problem import (CPU_GRADS, CPU_GRADS_CUDA_SCALE, GRADS_OFF_SCALE_DEVICE, ONLY_CPU_GRADS,
+                                       SCALE_ON_CPU)
+from fsdp_amp_suite.matrix import implementations
+from fsdp_amp_suite.scalers import BUILTINS
+
+
+class Every:
+    """'Every X' in a table cell, named, so that a reader never guesses what a None means: contains anything
+    but the given exceptions."""
+
+    def __init__(self, what: str, but=frozenset()):
+        self.what, self.but = what, frozenset(but)
+
+    def __contains__(self, item) -> bool:
+        return item not in self.but
+
+    def __repr__(self) -> str:
+        return self.what
+
+
+ENABLED_FREE_TESTS = {"test_disabled_scaler_is_a_pass_through"}
+EVERY_SCALER = Every("every scaler, plugged ones included (a bug of the FSDP implementation)")
+EVERY_ENABLED_TEST = Every("every test that builds an enabled scaler", but=ENABLED_FREE_TESTS)
+EVERY_OTHER_BUG = Every("every other entry")
+
+
+REACHABLE = "reachable"  # an overflow that forward/backward make, through the real reductions, hits it
+EVERY_RUN = "every run"  # no overflow needed: every step of the configuration (or the call) hits it
+INJECTION_ONLY = "injection only"  # only a value written into a grad after backward or a reduction gets there
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Whether real training reaches a bug, and the evidence. `how`: for REACHABLE, the run that shows it;
+    for EVERY_RUN, the configuration; for INJECTION_ONLY, why training does not get there and what a job
+    would have to do to. `run`: the standalone file's flag that runs that real training ("" if none)."""
+    kind: str
+    how: str
+    run: str = ""
+
+
+@dataclass(frozen=True)
+class KnownBug:
+    id: str  # short and stable: the report and the version table name the bug by it
+    scalers: frozenset | Every  # built-in scaler names, or EVERY_SCALER
+    tests: frozenset | Every  # test function names, or EVERY_ENABLED_TEST
+    reason: str  # user-facing (the report's xfail reason): a self-contained sentence or two
+    title: str  # a one-line summary: the README's bug table (python -m fsdp_amp_suite.bugtable) and docs/bugs.md
+    when: Callable = field(default=lambda params, cuda: True)  # params: the item's callspec.params
+    beats_race: bool = False  # deterministic even where the built-in's results are timing-dependent
+    torch: str = ""  # PEP 440 specifiers of the versions the bug holds on ("": every supported one);
+    fairscale: str = ""  # on a version outside them the check is expected to pass (fixed there)
+    reach: Reach | None = None  # can real training hit it? (every entry has one: tests/meta/test_standalone_files.py)
+    standalone: str = ""  # the standalone repro showing it, fsdp_amp_suite/repro/standalone/<standalone>.py ("": its id's)
+    needs: str = ""  # what that file needs to run (a fsdp_amp_suite/expectations.py NEEDS key), on the file's own entry
+    by_design: bool = False  # torch's behaviour by design: no fix to propose, no upstream report
+    precedes: frozenset | Every = frozenset()  # ids of the entries it wins over where both claim a check: the
+                                               # one a check shows first (test_tables.py: every overlap declared)
+
+    def wins_over(self, other: "KnownBug") -> bool:
+        return other.id != self.id and other.id in self.precedes
+
+    @property
+    def standalone_file(self) -> str:
+        """The stem of its standalone repro's file: several entries of one defect share one."""
+        return self.standalone or self.id
+
+    @property
+    def in_force(self) -> bool:
+        """Does the bug hold on the installed torch and fairscale?"""
+        return self.holds_on(None)
+
+    def holds_on(self, on) -> bool:
+        """Does the bug hold on these versions ({package: Version}, versions.here(); None: the installed ones)?"""
+        return versions.holds(torch=self.torch, fairscale=self.fairscale, on=on)
+
+    def hits(self, spec: str) -> bool:
+        """Does this entry name this scaler? A plugged one only for an FSDP implementation's bug."""
+        return self.scalers is EVERY_SCALER or (spec in BUILTINS and spec in self.scalers)
+
+    def matches(self, test_name: str, params: dict, cuda: bool) -> bool:
+        """Does this entry name this check (test and params), whatever the scaler and versions?"""
+        return test_name in self.tests and self.when(params, cuda)
+
+
+# Where a bug holds, as version specifiers (fsdp_amp_suite/versions.py). Upstream bugs still open are claimed for
+# every supported torch (their code is unchanged from the first to the last of versions.CHECKED_TORCH); fairscale's own bugs
+# for its last release, the one this suite pins and ran: a new release must be re-checked, not assumed.
+ANY_TORCH = ""
+FAIRSCALE_0_4_13 = "==0.4.13"
+
+
+def _bug(bug_id, scalers, tests, reason, when=None, beats_race=False, torch=ANY_TORCH, fairscale="", *, title,
+         reach, standalone="", needs="", by_design=False, precedes=()):
+    return KnownBug(bug_id, scalers if isinstance(scalers, Every) else frozenset(scalers),
+                    tests if isinstance(tests, Every) else frozenset(tests), reason, title,
+                    when or (lambda params, cuda: True), beats_race, str(SpecifierSet(torch)),
+                    str(SpecifierSet(fairscale)), reach, standalone, needs, by_design,
+                    precedes if isinstance(precedes, Every) else frozenset(precedes))
+
+
+SEQUENCES = "test_every_sequence_of_calls_follows_the_contract"  # the stateful test (test_sequences.py)
+MESH_SEQUENCES = "test_every_sequence_on_a_mesh_follows_the_contract"  # the same, params DTensors on a 2x2 mesh
+NOT_SHARD_AWARE = {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", "test_ranks_keep_scale_in_lockstep",
+                   "test_each_optimizer_agrees_across_ranks", "test_inf_on_some_ranks_over_nccl",
+                   "test_rank_without_grads_takes_part", "test_unmatched_step_surfaces_as_a_hang_in_bounded_time",
+                   SEQUENCES}
+UNSCALE_TESTS = {"test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_skips_step_and_backs_off",
+                 "test_an_overflow_past_2_31_elements_is_seen"}
+BUSY = "test_busy_gpu_cpu_grads_are_unscaled_and_checked"
+CHECKPOINT_TESTS = {"test_state_dict_round_trip_resumes_identically",  # test_scale_rules.py: a checkpoint resumes,
+                    "test_a_checkpoint_crosses_between_scalers_and_resumes_identically",  # from or into another
+                    "test_a_checkpoint_saved_by_another_torch_loads_and_resumes"}  # scaler, or another torch
+FUSED = "test_an_overflow_skips_a_fused_optimizer_exactly"  # param `fused`: the optimizer class (test_fused_optimizers.py)
+STEP_COUNTER_FUSED = ("Adam", "AdamW", "Adagrad")  # fused optimizers whose state has a shape-[] step counter
+# fused optimizers by the torch versions on which torch's scalers hand them found_inf (GradScaler's fused path):
+# fused Adagrad joined it in torch 2.12; on 2.11 the scalers treat it as any other optimizer (seen on the GPU
+# machine: its checks pass there for torch_sharded and fairscale_sharded; on CPU, 2.12.0 and 2.13.0 fail them)
+SCALER_FUSED_PATH_TORCH = {"Adam": "", "AdamW": "", "SGD": "", "Adagrad": ">=2.12"}
+
+
+def on_scalers_fused_path(params) -> bool:
+    """A fused-optimizer check (test_fused_optimizers.py) whose optimizer takes GradScaler's fused path here."""
+    return "fused" in params and versions.holds(torch=SCALER_FUSED_PATH_TORCH[params["fused"]])
+PICKLE = "test_a_scaler_pickles_between_iterations"  # test_torch_state.py
+STATE = "test_private_scale_state_follows_the_scale"  # test_torch_state.py
+PROTOCOL = "test_an_optimizer_that_handles_scaling_gets_torchs_protocol"  # test_torch_state.py
+FRAMEWORKS = "test_training_in_a_framework_matches_torchs_scaler_through_an_overflow_and_a_resume"  # test_frameworks.py
+DIFFERENTIAL = "test_every_call_matches_torch_amp_grad_scaler"  # test_differential.py
+MESH = "test_every_rank_of_the_mesh_takes_the_same_decision"  # params: mesh, order, bad (test_meshes.py)
+FSDP2 = "test_fsdp2_dtensor_grads_agree_across_ranks"  # params: bad (test_fsdp2.py)
+MATRIX = "test_fsdp_matches_ddp"
+CPU_SCALE = SCALE_ON_CPU  # placements (problem.PLACEMENTS) where the scale tensor lives on CPU
+
+
+def check_param(params: dict, name: str, cuda: bool):
+    """A test's callspec param; for a matrix cell, its axis (or its placement or grad dtype)."""
+    if name in params or "cell" not in params:
+        return params.get(name)
+    if name == "placement":
+        return implementations.cell_placement(params["cell"], cuda)
+    if name == "dtype":
+        return implementations.cell_grad_dtype(params["cell"])
+    return getattr(params["cell"], name)
+
+
+def where(**conditions):
+    """when= for KnownBug: every named param (or matrix cell axis) is in its allowed values or equal.
+
+    Allowed values are a tuple/list/set, or else one value; a tuple-valued param (bad_ranks,
+    bad_opts) must therefore be given as a list of tuples. world_size accepts a callable too.
+    """
+    def when(params, cuda):
+        for name, allowed in conditions.items():
+            value = check_param(params, name, cuda)
+            if callable(allowed):
+                ok = allowed(value)
+            else:
+                ok = value in allowed if isinstance(allowed, (tuple, list, set)) else value == allowed
+            if not ok:
+                return False
+        return True
+    return when
+
+
+def _cpu_found_inf_not_agreed(params, cuda) -> bool:
+    """fairscale-cpu-found-inf-not-agreed: CPU grads with the scale on CUDA, an inf on some ranks. The matrix's and the
+    sequences' checks show it where they run race-free (a GPU machine: expectations rule 2)."""
+    if "cell" in params:  # CPU-offloaded grads of 2 or more ranks, an inf injected on one
+        return cuda and where(offload="offload", world_size=lambda ws: ws >= 2)(params, cuda)
+    if "bad_ranks" in params:
+        return params.get("placement") in ONLY_CPU_GRADS and params["bad_ranks"] != (0, 1)
+    return cuda and params.get("placement") in CPU_GRADS_CUDA_SCALE  # the sequences
+
+
+KNOWN_BUGS = [
+    _bug("fairscale-disabled-without-cuda", {"fairscale_sharded"}, EVERY_ENABLED_TEST,
+         "fairscale ShardedGradScaler silently disables itself without CUDA (amp_definitely_not_available) "
+         "and then steps on inf grads; it has no device argument",
+         when=lambda params, cuda: not cuda, fairscale=FAIRSCALE_0_4_13,
+         title="silently disabled without CUDA, then steps on inf grads",
+         reach=Reach(EVERY_RUN, "every job on a machine without CUDA: the scaler never scales, and an inf or NaN that the fp16 "
+                     "forward makes is applied"),
+         needs="no-cuda",
+         precedes=EVERY_OTHER_BUG),  # a disabled scaler shows nothing else
+    _bug("torch-amp-refuses-fp16-grads", {"torch_amp"}, UNSCALE_TESTS | {MATRIX},
+         "torch.amp.GradScaler refuses fp16 grads by design (ValueError: Attempting to unscale FP16 gradients.), "
+         "which FSDP mixed precision without offload produces (fairscale; FSDP1 keep_low_precision_grads)",
+         when=where(dtype="float16"),
+         title='fp16 grads refused by design ("Attempting to unscale FP16 gradients")',
+         reach=Reach(EVERY_RUN, "every step whose grads are fp16 (FSDP1 keep_low_precision_grads, the file's run; fairscale mixed"
+                     " precision without offload at world size 1)"),
+         by_design=True,
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fsdp1-keeplow-offload-grad-dtype", "torch-amp-not-shard-aware-fsdp"}),  # the first unscale raises
+    _bug("bf16-cuda-unscale-kernel", {"torch_amp", "torch_sharded", "fairscale_sharded"}, UNSCALE_TESTS | {MATRIX},
+         "torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16 "
+         "(NotImplementedError ... not implemented for 'BFloat16'), so bf16 grads on CUDA crash the scaler "
+         "(fairscale FSDP with compute_dtype bf16 and no offload at world size 1; FSDP1 keep_low_precision_grads)",
+         when=where(dtype="bfloat16", placement=("cuda", "mixed")),
+         title="bf16 grads on CUDA crash the unscale kernel",
+         reach=Reach(EVERY_RUN, "every step whose grads are bf16 on CUDA (FSDP1 keep_low_precision_grads in bf16; fairscale "
+                     "compute_dtype bf16 without offload)"),
+         needs="cuda",
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-fused-optimizer-kwarg", "torch-amp-not-shard-aware-fsdp", "torch-sharded-fused-adamw-after-unscale"}),  # the unscale raises before anything else can show
+    _bug("torch-amp-not-shard-aware", {"torch_amp"}, NOT_SHARD_AWARE,
+         "torch.amp.GradScaler does not agree on found_inf across ranks (it relies on DDP's all-reduced grads): "
+         "with sharded grads an inf on one rank makes only that rank skip and back off",
+         when=lambda params, cuda: params.get("bad_ranks") != (0, 1),
+         title="no agreement on found_inf across ranks: an inf on one rank skips only there",
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight row, which"
+                     " after the reduce-scatter lies in one rank's shard only", run="--real-overflow"),
+         by_design=True),
+    _bug("torch-amp-not-shard-aware-busy-gpu", {"torch_amp"}, {BUSY}, "torch.amp.GradScaler does not agree on found_inf across ranks",
+         when=where(world_size=2, bad=True, placement="cuda"),
+         title="no agreement on found_inf across ranks, in the busy-GPU check",
+         reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
+         standalone="torch-amp-not-shard-aware", by_design=True),
+    _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"}, {SEQUENCES, MESH_SEQUENCES, DIFFERENTIAL},
+         "fairscale ShardedGradScaler with its scale on CPU breaks the contract in several ways that a sequence "
+         "reaches, whichever comes first: a CPU found_inf never agreed across ranks "
+         "(fairscale-cpu-found-inf-not-agreed), a backoff only if found_inf == 1.0 "
+         "(fairscale-backoff-only-if-exactly-one), state_dict() raising after a backoff "
+         "(fairscale-state-dict-after-backoff), growth to inf (sharded-cpu-scale-grows-to-inf)",
+         when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
+         title="scale on CPU: call sequences reach several of its bugs, whichever comes first",
+         reach=Reach(REACHABLE, "as its parts; fairscale-cpu-found-inf-not-agreed shows a real overflow", run="--real-overflow"),
+         standalone="fairscale-cpu-found-inf-not-agreed",
+         precedes={"sharded-cpu-scale-grows-to-inf"}),  # fairscale with its scale on CPU has more than that bug for a sequence to reach
+    _bug("amp-update-one-element-new-scale", {"torch_amp", "torch_sharded", "fairscale_sharded"},
+         {"test_update_with_new_scale"},
+         "GradScaler.update(new_scale=t) accepts a 1-element tensor (its own AssertionError asks for 'a 1-element "
+         "torch.cuda.FloatTensor or torch.FloatTensor'), then copies it with self._scale.copy_(new_scale) into the "
+         "0-dim scale: a tensor of shape [1] raises RuntimeError: output with shape [] doesn't match the broadcast "
+         "shape [1] (torch.amp.GradScaler, torch's and fairscale's ShardedGradScaler alike)",
+         when=where(form="one_element"),
+         title="update(new_scale=torch.tensor([x])) raises: a shape-[1] tensor passes the check, then fails the copy",
+         reach=Reach(EVERY_RUN, "no overflow: every update(new_scale=<a 1-element tensor of shape [1]>)")),
+    _bug("torch-sharded-scale-keeps-loss-dtype", {"torch_sharded"}, {DIFFERENTIAL},
+         "torch ShardedGradScaler.scale() casts the scaled output back to its dtype (on purpose, for FSDP mixed "
+         "precision): a 0-dim fp16 loss times a scale above 65504 / loss comes back inf, where "
+         "torch.amp.GradScaler returns the float32 product; the grads are the same, but a guard or a log that "
+         "reads the scaled loss sees an overflow that did not happen",
+         title="scale() casts a 0-dim fp16 loss back to fp16: the scaled loss is inf where torch's is finite",
+         reach=Reach(EVERY_RUN, "no overflow: every scale() of a 0-dim fp16 loss above 65504 / scale (FSDP fp16 "
+                     "mixed precision without autocast: loss 2.0 at a scale of 2**15)"),
+         by_design=True),
+    _bug("sharded-default-group-bound-at-import", {"torch_sharded", "fairscale_sharded"}, {PICKLE},
+         "ShardedGradScaler keeps its process group on the instance and GradScaler.__getstate__ pickles it: a scaler "
+         "given process_group=dist.group.WORLD, or built with the default when its module was imported after "
+         "init_process_group (the default is evaluated at import), makes pickle.dumps / copy.deepcopy / "
+         "torch.save(scaler) raise TypeError: cannot pickle 'ProcessGroup' object, where torch.amp.GradScaler pickles "
+         "between iterations (torch and fairscale alike)",
+         title="does not pickle once it holds a process group (the default does, if imported after init)",
+         reach=Reach(EVERY_RUN, "no overflow: every pickle, deepcopy or torch.save of the scaler object when it holds a "
+                     "process group (given one, or its module imported after init_process_group)")),
+    _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"},
+         {"test_growth_never_overflows_to_inf", SEQUENCES, MESH_SEQUENCES},
+         "ShardedGradScaler._amp_update_scale_cpu_ (scale on CPU) grows the scale without the isfinite check "
+         "of torch._amp_update_scale_: float32 max * growth_factor becomes inf, then every step overflows and "
+         "backs off from inf forever (torch and fairscale alike)",
+         when=where(placement=CPU_SCALE),
+         title="scale on CPU grows to inf (no isfinite check), then every step is skipped",
+         reach=Reach(REACHABLE, "no overflow: the scale itself becomes inf in a run whose loss and grads stay finite at a scale "
+                     "of 2**127 (bf16 or fp32 compute; in fp16 the backward overflows first). The file's real run: "
+                     "FSDP1 bf16 from 2**124, growth_interval 1. With the defaults that takes 224,000 overflow-free "
+                     "steps", run="--real-overflow")),
+    _bug("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"},
+         {"test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", MATRIX, SEQUENCES},
+         "fairscale ShardedGradScaler all-reduces a CPU found_inf on a CUDA copy and throws the "
+         "result away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip",
+         when=lambda params, cuda: _cpu_found_inf_not_agreed(params, cuda), fairscale=FAIRSCALE_0_4_13,
+         title="CPU found_inf all-reduced on a copy that is thrown away",
+         reach=Reach(REACHABLE, "torch FSDP1 CPUOffload fp16 on 2 gloo ranks sharing a GPU, the loss moved to the CPU params "
+                     "(fairscale #421's path): the scaled backward overflows in one output unit's weight row, which "
+                     "after the reduce-scatter lies in one rank's CPU shard only", run="--real-overflow"),
+         needs="cuda"),
+    _bug("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"}, {"test_two_optimizers_skip_independently_back_off_once"},
+         "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; two optimizers "
+         "that both saw inf sum to 2.0 and the scale grows instead",
+         when=where(placement=CPU_SCALE, bad_opts=[(0, 1)]), fairscale=FAIRSCALE_0_4_13,
+         title="backs off only if found_inf == 1.0: two optimizers' 2.0 grows the scale",
+         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), one optimizer per layer, fp16 autocast at the "
+                     "default init_scale 2**16: the scaled backward overflows by itself into both layers' grads, "
+                     "found_inf sums to 2.0 and the scale grows", run="--real-overflow"),
+         needs="cuda"),
+    _bug("fairscale-cpu-found-inf-not-agreed-per-optimizer", {"fairscale_sharded"}, {"test_each_optimizer_agrees_across_ranks"},
+         "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
+         "and throws the result away), so with CPU grads each optimizer skips only on the ranks that saw the inf",
+         when=where(placement=ONLY_CPU_GRADS), fairscale=FAIRSCALE_0_4_13,
+         title="CPU found_inf never agreed across ranks, per optimizer",
+         reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
+         standalone="fairscale-cpu-found-inf-not-agreed"),
+    _bug("fairscale-cpu-found-inf-not-agreed-scale-lockstep", {"fairscale_sharded"}, {"test_ranks_keep_scale_in_lockstep"},
+         "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
+         "and throws the result away), so the ranks' scales diverge",
+         when=where(placement=CPU_GRADS), fairscale=FAIRSCALE_0_4_13,
+         title="CPU found_inf never agreed across ranks: their scales diverge",
+         reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
+         standalone="fairscale-cpu-found-inf-not-agreed"),
+    _bug("fairscale-rank-without-grads", {"fairscale_sharded"}, {"test_rank_without_grads_takes_part"},
+         "fairscale ShardedGradScaler records no found_inf on a rank without grads: that rank raises 'No inf "
+         "checks were recorded for this optimizer' while the others wait in all_reduce (fixed in torch by "
+         "pytorch#99174, never in fairscale)", fairscale=FAIRSCALE_0_4_13,
+         title="a rank without grads raises while the others wait",
+         reach=Reach(EVERY_RUN, "no overflow: every step on which a rank's optimizer holds no grad (frozen params sharded so that"
+                     " one rank holds only frozen ones, as in pytorch#99174; an unused branch)"),
+         needs="cuda"),
+    _bug("fairscale-state-dict-after-backoff", {"fairscale_sharded"}, CHECKPOINT_TESTS | {STATE},
+         "fairscale sets _growth_tracker to a Python int on backoff when the scale is on CPU; "
+         "state_dict() (and _get_growth_tracker()) then raises AttributeError: 'int' object has no attribute 'item'",
+         when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
+         title="state_dict() raises after a backoff, scale on CPU",
+         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), fp16 autocast at the default init_scale: the "
+                     "scaled backward overflows by itself, the scale backs off, and state_dict() raises", run="--real-overflow"),
+         needs="cuda"),
+    _bug("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"}, {"test_update_with_new_scale"},
+         "fairscale ShardedGradScaler.update(new_scale=tensor) asserts a torch.cuda.FloatTensor, so a CPU "
+         "tensor for a scale that lives on CPU is refused", when=where(placement="cpu", form=("tensor", "one_element")), fairscale=FAIRSCALE_0_4_13,
+         title="update(new_scale=CPU tensor) refused",
+         reach=Reach(EVERY_RUN, "no overflow: every call update(new_scale=<a CPU tensor>) on a scaler whose scale lives on CPU"),
+         needs="cuda",
+         precedes={"amp-update-one-element-new-scale"}),  # its assertion refuses the tensor before the copy
+    _bug("fairscale-backoff-only-if-exactly-one-two-devices", {"fairscale_sharded"}, {"test_inf_on_two_devices_backs_off_once"},
+         "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; an inf on two "
+         "devices sums to 2.0 and the scale grows instead", when=where(placement="mixed_cpu_scale"), fairscale=FAIRSCALE_0_4_13,
+         title="backs off only if found_inf == 1.0: an inf on two devices grows the scale",
+         reach=Reach(REACHABLE, "as fairscale-backoff-only-if-exactly-one", run="--real-overflow"),
+         standalone="fairscale-backoff-only-if-exactly-one"),
+    _bug("torch-sharded-collective-per-device", {"torch_sharded"}, {"test_rank_without_grads_takes_part"},
+         "torch ShardedGradScaler issues one all_reduce per device holding grads: a rank with grads on CPU and "
+         "CUDA makes two collectives, a rank without grads one, and the group hangs",
+         when=where(placement="mixed"), beats_race=True,
+         title="one collective per grad device: CPU+CUDA grads vs a rank without grads hang",
+         reach=Reach(EVERY_RUN, "no overflow: every step on which the ranks' sets of grad devices differ (one rank with grads on "
+                     "CPU and CUDA, partial offload; another with none this step)"),
+         needs="cuda"),
+    _bug("async-copy-race-busy-gpu", {"torch_amp", "torch_sharded"}, {BUSY},
+         "torch.amp.GradScaler and torch's ShardedGradScaler copy inv_scale/found_inf to CPU with non_blocking=True "
+         "and use the copies before they land while the GPU is busy: CPU grads are zeroed or an inf is missed. "
+         "Bites real loops that "
+         "queue GPU work between backward and unscale_/step", when=where(placement=CPU_GRADS_CUDA_SCALE),
+         title="non_blocking CPU copies of inv_scale/found_inf read before they land (busy GPU)",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a CPU-offload loop with the scale on CUDA that queues GPU work "
+                     "between backward and unscale_/step may read the copies before they land (a real FSDP1 CPUOffload"
+                     " fp16 loop with one queued matmul lost 3 to 7 of 20 clean steps); timing-dependent, so the suite"
+                     " keeps the GPU busy to show it"),
+         needs="cuda"),
+    # ---- meshes (test_meshes.py, and the sequences on a mesh)
+    _bug("torch-amp-mesh-sequences", {"torch_amp"}, {MESH_SEQUENCES},
+         "torch.amp.GradScaler with DTensor grads on a mesh breaks the contract in two ways that a sequence reaches, "
+         "whichever comes first: fp16 grads refused by design (torch-amp-refuses-fp16-grads), found_inf reduced "
+         "along the first grad's sharded mesh dims only, so part of the mesh skips while the rest steps "
+         "(dtensor-found-inf-first-grad-placements)",
+         title="DTensor grads on a mesh: call sequences reach fp16 refusal or a part-mesh skip, whichever comes first",
+         reach=Reach(REACHABLE, "as its parts; dtensor-found-inf-first-grad-placements shows a real overflow (torch-amp-refuses-"
+                     "fp16-grads needs none)", run="--real-overflow"),
+         standalone="dtensor-found-inf-first-grad-placements"),
+    _bug("dtensor-mixed-with-tensor-grads", {"torch_amp", "torch_sharded"}, {MESH},
+         "an optimizer holding DTensor params and plain tensor params on the same device and dtype (a model only "
+         "partly under FSDP2 or tensor parallelism) crashes torch's scalers: they unscale the grads of one device "
+         "and dtype in one torch._amp_foreach_non_finite_check_and_unscale_ call, which DTensor dispatch refuses: "
+         "RuntimeError: ... got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor",
+         when=lambda params, cuda: "plain" in params.get("order", ()),
+         title="DTensor and plain tensor grads in one optimizer: the unscale kernel call raises",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard or tensor parallelism, its "
+                     "plain and DTensor params in one optimizer (the file's run: fully_shard on the body only)"),
+         needs="dtensor"),
+    _bug("dtensor-found-inf-first-grad-placements", {"torch_amp"}, {MESH},
+         "torch.amp.GradScaler relies on DTensor to agree on found_inf, and DTensor's handler for "
+         "torch._amp_foreach_non_finite_check_and_unscale_ (found_inf_reduce_handler) reduces found_inf only "
+         "along the mesh dims where the FIRST grad of the list is sharded, over that grad's mesh: with a "
+         "TP-replicated param (a norm or bias: the no-decay group put first) or an expert's param on a sub-mesh "
+         "first in the optimizer, an inf anywhere else is seen by part of the mesh only, which skips while the "
+         "rest steps",
+         when=lambda params, cuda: (params.get("bad") is not None and "plain" not in params.get("order", ())
+                                    and params["order"][0] in ("replicated", "expert")),
+         title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only",
+         reach=Reach(REACHABLE, "FSDP2 over dp on top of tensor parallelism: the scaled backward overflows fp16 only in one tp "
+                     "rank's colwise rows, the TP-replicated bias first in the optimizer; the ranks of the other tp "
+                     "column step", run="--real-overflow"),
+         needs="dtensor"),
+    # the same handler under FSDP2 HSDP: a verdict of its own, since only an injection gets there
+    _bug("dtensor-found-inf-hsdp-one-replica", {"torch_amp"}, {MATRIX},
+         "torch.amp.GradScaler under FSDP2 HSDP: DTensor's found_inf handler reduces along the first grad's sharded "
+         "mesh dims only (dtensor-found-inf-first-grad-placements), and every FSDP2 grad on a (replicate, shard) "
+         "mesh is replicated along the replicate dim, so an inf written into one replica's grads after the "
+         "reduction makes that replica alone skip and back off. An overflow that training makes does not get "
+         "there: FSDP2 all-reduces grads across replicas, so every replica sees it",
+         when=where(impl="fsdp2", mesh="hsdp", overflow="injected"),
+         title="FSDP2 HSDP: an inf in one replica's reduced grads skips that replica only (injection only)",
+         reach=Reach(INJECTION_ONLY, "FSDP2 all-reduces grads across the replicate dim after the reduce-scatter, so an overflow born "
+                     "in one replica reaches every replica's shard and every rank skips (a real run confirms it). A "
+                     "job gets here only if its grads differ across replicas after the reduction: a hook that writes "
+                     "grads after it, stepping with set_requires_all_reduce(False), a fault in one replica"),
+         standalone="dtensor-found-inf-first-grad-placements"),
+    _bug("fairscale-cpu-found-inf-not-agreed-dtensor", {"fairscale_sharded"}, {MESH, FSDP2},
+         "fairscale ShardedGradScaler predates DTensor: with DTensor grads on CPU (FSDP2 or tensor parallelism on "
+         "a CPU mesh) it checks each rank's local shard in a Python loop and all-reduces the CPU found_inf on a "
+         "CUDA copy whose result it throws away (fairscale-cpu-found-inf-not-agreed), so only the rank whose shard "
+         "holds the inf or NaN skips and backs off, whatever the mesh dim, the placement or the param order "
+         "(seen on torch 2.11, one GPU)",
+         when=lambda params, cuda: cuda and bool(params.get("bad")) and params.get("placement", "cpu") == "cpu",
+         fairscale=FAIRSCALE_0_4_13,
+         title="DTensor grads on CPU: found_inf never agreed; only the rank whose shard overflowed skips",
+         reach=Reach(REACHABLE, "FSDP2 on a 1D CPU mesh of 2 ranks, fp16 autocast, fairscale's scaler on a CUDA machine: the "
+                     "scaled backward overflows only in rows that the reduce-scatter hands to rank 1", run="--real-overflow"),
+         needs="cuda"),
+    _bug("fairscale-dtensor-mixed-with-tensor-grads", {"fairscale_sharded"}, {MESH},
+         "fairscale ShardedGradScaler unscales CUDA grads as torch's scalers do, one "
+         "torch._amp_foreach_non_finite_check_and_unscale_ call per device and dtype "
+         "(dtensor-mixed-with-tensor-grads): one optimizer holding DTensor and plain tensor params on CUDA raises "
+         "RuntimeError: ... got mixed torch.Tensor and DTensor (its CPU grads go through a per-tensor Python "
+         "loop, which does not; seen on torch 2.11, one GPU)",
+         when=lambda params, cuda: params.get("placement") == "cuda" and "plain" in params.get("order", ()),
+         fairscale=FAIRSCALE_0_4_13,
+         title="DTensor and plain tensor grads on CUDA in one optimizer: the unscale kernel call raises",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard on CUDA, its plain and DTensor "
+                     "params in one optimizer"),
+         needs="cuda"),
+    # ---- the FSDP-vs-DDP matrix (tests/matrix)
+    _bug("torch-amp-not-shard-aware-fsdp", {"torch_amp"}, {MATRIX},
+         "torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1 (and fairscale) an inf in one "
+         "rank's grad shard makes only that rank skip and back off. (FSDP2 hides this: DTensor's handler for "
+         "_amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf over the mesh.)",
+         when=where(world_size=lambda ws: ws >= 2, impl=("fsdp1", "fairscale")),
+         title="no agreement on found_inf across ranks under FSDP1 and fairscale FSDP",
+         reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
+         standalone="torch-amp-not-shard-aware", by_design=True,
+         precedes={"fsdp1-keeplow-offload-grad-dtype"}),
+    _bug("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"}, {MATRIX, FUSED},
+         "torch ShardedGradScaler + a fused optimizer with a step counter (Adam, AdamW, Adagrad fused=True) after "
+         "an explicit unscale_ (the clipping path): its found_inf has shape [1] and the fused kernel's "
+         "_foreach_sub_ into the shape-[] step counter raises RuntimeError: output with shape [] doesn't match the "
+         "broadcast shape [1]",
+         when=lambda params, cuda: ((on_scalers_fused_path(params)
+                                     and where(fused=STEP_COUNTER_FUSED, explicit_unscale=True)(params, cuda))
+                                    if "fused" in params else where(optimizer="adamw", clip="clip")(params, cuda)),
+         title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step",
+         reach=Reach(EVERY_RUN, "no overflow: every step of fused Adam, AdamW or Adagrad after an explicit unscale_ (clipping), "
+                     "from the first, clean one (FSDP1 fp16 on 2 ranks raises at step 1 too)"),
+         precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-cpu-unscale-found-inf-shape",
+                   "amp-hands-fused-a-device-sum"}),  # the first step raises
+    _bug("torch-sharded-hands-fused-a-sum", {"torch_sharded"}, {FUSED},
+         "torch ShardedGradScaler.unscale_ all-reduces found_inf with SUM over the ranks and step() hands that "
+         "sum to a fused optimizer; the fused kernels skip only on found_inf == 1.0, so when two ranks overflow "
+         "the optimizer gets 2.0 and applies the inf/NaN update (fused SGD after an explicit unscale_; Adam, "
+         "AdamW and Adagrad crash before, on the sum's shape: torch-sharded-fused-adamw-after-unscale)",
+         when=where(fused="SGD", explicit_unscale=True),
+         title="explicit unscale_: found_inf summed over ranks (2.0) makes a fused optimizer step on NaN",
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks at the default scale: the scaled backward overflows in both ranks' "
+                     "shards, unscale_ sums found_inf to 2.0, fused SGD applies the update", run="--real-overflow"),
+         precedes={"fused-sgd-skipped-first-step"}),  # the check sees the sum first
+    _bug("amp-hands-fused-a-device-sum", {"torch_amp", "torch_sharded"}, {FUSED},
+         "GradScaler.step hands an optimizer that takes its fused path (fused Adam, AdamW; Adagrad from torch 2.12) "
+         "found_inf = the sum of found_inf_per_device; the fused kernels skip only on found_inf == 1.0, so when the "
+         "grads on two devices (CPU and CUDA) both overflow, the optimizer gets 2.0 and applies the inf/NaN update "
+         "(found by the race-free runs of the mixed placement, torch 2.11 on one GPU; torch ShardedGradScaler "
+         "inherits the step)",
+         when=lambda params, cuda: (on_scalers_fused_path(params)
+                                    and where(fused=STEP_COUNTER_FUSED, placement=("mixed", "mixed_cpu_scale"))(params, cuda)),
+         title="grads on two devices that both overflow: found_inf summed to 2.0, a fused optimizer steps on NaN",
+         reach=Reach(INJECTION_ONLY, "shown with an inf written into a grad on each device; real training gets there "
+                     "only where one optimizer holds grads on CPU and on CUDA (some params offloaded, some not) and both "
+                     "overflow in one step, which no run here has shown yet"),
+         standalone="torch-sharded-hands-fused-a-sum"),
+    _bug("fused-sgd-skipped-first-step", {"torch_amp", "torch_sharded"}, {FUSED},
+         "fused SGD with momentum allocates its momentum buffers with torch.empty_like on its first step and fills "
+         "them inside the kernel; when GradScaler hands it found_inf = 1.0 (the first step overflowed, as fp16 "
+         "training's first steps routinely do) the kernel returns early and the buffers keep uninitialised memory, "
+         "which the next step applies to the params (NaN under deterministic mode, garbage otherwise). "
+         "torch.amp.GradScaler and torch's ShardedGradScaler leave the skip to the kernel",
+         when=where(fused="SGD"),
+         title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it",
+         reach=Reach(REACHABLE, "fp16 autocast at the default init_scale 65536: the first scaled backward overflows by itself, "
+                     "the next are clean, and fused SGD ends all NaN", run="--real-overflow")),
+    _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX, FUSED, PROTOCOL},
+         "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
+         "which on an inf replaces found_inf with torch.tensor([1.0]), shape [1]; an optimizer that handles "
+         "scaling is handed that shape-[1] found_inf, and a fused one (AdamW fused=True; fused Adam and Adagrad "
+         "alike: each keeps a shape-[] step counter) raises at the first overflow: RuntimeError: output with shape "
+         "[] doesn't match the broadcast shape [1] (seen on 2.4.0 and 2.4.1; 2.5.1 has the same code, 2.6.0 "
+         "unscales CPU grads with torch._amp_foreach_non_finite_check_and_unscale_)",
+         when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload"))
+                                    if "cell" in params else where(value=float("inf"), placement="cpu")
+                                    if "value" in params else where(fused=STEP_COUNTER_FUSED, placement="cpu"))(params, cuda),
+         torch="<2.6",
+         title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow",
+         reach=Reach(REACHABLE, "torch < 2.6: FSDP1 fp16 on CPU at the default scale, whose first scaled backward overflows by "
+                     "itself, with fused AdamW", run="--real-overflow"),
+         precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-fused-adamw-no-agreement"}),  # on torch < 2.6 the first overflow raises
+    _bug("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}, {MATRIX},
+         "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "
+         "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
+         "ShardedGradScaler.unscale_, so under FSDP1 an inf in one rank's shard makes only that rank skip. FSDP2 "
+         "on one flat mesh hides it (DTensor's handler reduces found_inf over the mesh); under FSDP2 HSDP that "
+         "handler reduces along the shard dim only (dtensor-found-inf-first-grad-placements), so one replica skips",
+         when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2,
+                                          impl=("fsdp1", "fairscale"))(params, cuda)
+                                    or where(optimizer="adamw", clip="noclip", impl="fsdp2", mesh="hsdp")(params, cuda)),
+         title="fused AdamW: found_inf never agreed across ranks",
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight row, in "
+                     "one rank's shard after the reduce-scatter. Its FSDP2 HSDP cells are injection only (see dtensor-"
+                     "found-inf-hsdp-one-replica)", run="--real-overflow")),
+    _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX, FUSED, PROTOCOL},
+         "fairscale ShardedGradScaler.step passes grad_scaler=self to an optimizer that supports AMP scaling "
+         "(every fused one: Adam, AdamW, SGD, Adagrad), whose step() no longer takes it: TypeError: Adam.step() "
+         "got an unexpected keyword argument 'grad_scaler'",
+         # PROTOCOL (no fused or cell param): an optimizer whose step() takes no grad_scaler gets it all the same
+         when=lambda params, cuda: (on_scalers_fused_path(params) or where(optimizer="adamw")(params, cuda)
+                                    or not {"fused", "cell"} & set(params)),
+         fairscale=FAIRSCALE_0_4_13,
+         title="fused AdamW: TypeError on the grad_scaler keyword",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a fused optimizer"),
+         needs="cuda",
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-state-dict-after-backoff-fsdp",
+                   "fairscale-cpu-found-inf-not-agreed"}),  # the first step raises
+    _bug("fairscale-state-dict-after-backoff-fsdp", {"fairscale_sharded"}, {MATRIX},
+         "fairscale's state_dict() after a backoff (fairscale-state-dict-after-backoff) inside FSDP training: "
+         "fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale issue #421) keeps "
+         "the scale on CPU, so after the first growth or backoff _growth_tracker is a Python "
+         "int and the checkpoint after step 8 raises AttributeError: 'int' object has no attribute 'item'",
+         when=where(impl="fairscale", placement=CPU_SCALE, world_size=1), fairscale=FAIRSCALE_0_4_13,
+         title="state_dict() raises after a backoff, in fairscale FSDP CPU-offload training",
+         reach=Reach(REACHABLE, "as fairscale-state-dict-after-backoff", run="--real-overflow"),
+         standalone="fairscale-state-dict-after-backoff",
+         precedes={"fairscale-fsdp-mixed-precision-grads"}),
+    _bug("fairscale-fsdp-mixed-precision-grads", EVERY_SCALER, {MATRIX},
+         "fairscale FSDP bug: with mixed_precision and no offload at world size 1 the fp32 params get fp16/bf16 grads; "
+         "foreach SGD (flatten_parameters=False, or the nested model of the natural-overflow cell) and fused AdamW "
+         "reject them: 'Tensors of the same index must be on the same device and the same dtype'",
+         # the natural cell (climb: nested, flat, SGD) raises too: seen on torch 2.11, H100
+         when=lambda params, cuda: where(impl="fairscale", offload="nooffload", precision=("fp16", "bf16"),
+                                          world_size=1)(params, cuda)
+         and (check_param(params, "params", cuda) == "orig" or check_param(params, "optimizer", cuda) == "adamw"
+              or check_param(params, "overflow", cuda) != "injected"), fairscale=FAIRSCALE_0_4_13,
+         title="fairscale FSDP mixed precision, world size 1: fp16/bf16 grads on fp32 params",
+         reach=Reach(EVERY_RUN, "no overflow: every step of fairscale FSDP mixed precision without offload at world size 1 "
+                     "(flatten_parameters=False, or fused AdamW)"),
+         needs="cuda"),
+    _bug("fsdp1-keeplow-offload-grad-dtype", EVERY_SCALER, {MATRIX},
+         "torch FSDP1 bug: MixedPrecision(keep_low_precision_grads=True) + CPUOffload(offload_params=True): "
+         "prepare_gradient_for_optim casts the grad through .data, which makes flat_param._cpu_grad itself "
+         "fp16/bf16; it is cast back only while flat_param.grad is not None, so after zero_grad(set_to_none=True) "
+         "the next backward raises in `flat_param.grad = flat_param._cpu_grad`: RuntimeError: attempting to assign "
+         "a gradient with dtype 'c10::Half' to a tensor with grad_dtype 'Float' (seen on torch 2.11, H200; the code "
+         "is the same in 2.4.1 .. 2.15.0). HYBRID_SHARD trains through (an hsdp cell, torch 2.11, H100); "
+         "_HYBRID_SHARD_ZERO2 raises as FULL_SHARD and SHARD_GRAD_OP do",
+         when=lambda params, cuda: (where(impl="fsdp1", offload="offload", grads="keeplow")(params, cuda)
+                                    and not where(mesh="hsdp", reshard="reshard")(params, cuda)), beats_race=True,
+         title="FSDP1 keep_low_precision_grads + CPUOffload: the backward after zero_grad() raises",
+         reach=Reach(EVERY_RUN, "no overflow, no scaler: the second backward of every FSDP1 keep_low_precision_grads + CPUOffload"
+                     " run that zeroes grads with set_to_none=True (the default)"),
+         needs="cuda", precedes={"fairscale-cpu-found-inf-not-agreed"}),  # the second backward raises
+    _bug("fairscale-busy-gpu", {"fairscale_sharded"}, {BUSY},
+         "fairscale ShardedGradScaler reads inv_scale's non_blocking CPU copy before it lands, so CPU grads are "
+         "zeroed (the async-copy race of async-copy-race-busy-gpu), and on 2 ranks it never agrees on a CPU "
+         "found_inf (fairscale-cpu-found-inf-not-agreed)",
+         when=lambda params, cuda: params.get("placement") in CPU_GRADS_CUDA_SCALE
+         and not (params.get("bad") and params.get("world_size") == 1), fairscale=FAIRSCALE_0_4_13,
+         title="busy GPU: CPU grads zeroed by the async-copy race; on 2 ranks, no agreement either",
+         reach=Reach(EVERY_RUN, "no overflow: every step of a loop with the scale on CUDA and the grads on CPU (FSDP CPU offload)"
+                     " that queues GPU work between backward and scaler.step may read the copy before it lands (19 of "
+                     "20 clean trials zeroed the CPU grads)"),
+         needs="cuda"),
+]
+assert len({bug.id for bug in KNOWN_BUGS}) == len(KNOWN_BUGS), "two KNOWN_BUGS entries share an id"
+
+
+def bug_by_id(bug_id: str, bugs=None) -> KnownBug:
+    """The entry with this id, looked up in KNOWN_BUGS (or the given table) at call time: no copy of the
+    table to keep in step with it. ValueError naming the id when no entry has it."""
+    found = next((bug for bug in (KNOWN_BUGS if bugs is None else bugs) if bug.id == bug_id), None)
+    if found is None:
+        raise ValueError(f"repro_of({bug_id!r}): no KNOWN_BUGS entry has that id")
+    return found
+
+
+# The async-copy race (KNOWN_BUGS async-copy-race-busy-gpu, docs/bugs.md) makes these built-ins' results
+# timing-dependent wherever CPU grads meet a CUDA scale (or CUDA grads a CPU scale): even with an idle
+# GPU they sometimes lose the race.
+# Their outcome there, as they stand, can be neither passed nor strictly xfailed, so those checks run race-free:
+# the harness makes every copy blocking (fsdp_amp_suite/harness/copies.py), and the race itself is checked
+# deterministically, with the GPU kept busy, in test_busy_gpu.py.
+RACY_SCALERS = {"torch_amp", "torch_sharded", "fairscale_sharded"}
+RACY_PLACEMENTS = GRADS_OFF_SCALE_DEVICE
+RACE_FREE_TESTS = {BUSY, "test_scale_multiplies_tensors_and_keeps_structure", "test_disabled_scaler_is_a_pass_through"}
+
+
+def race_reason(spec: str, test_name: str, params: dict, cuda: bool) -> str | None:
+    """Why a built-in's check is timing-dependent on this machine as it stands (None: it is not)."""
+    if not cuda:
+        return None
+    placement = check_param(params, "placement", cuda)
+    if spec in RACY_SCALERS and placement in RACY_PLACEMENTS and test_name not in RACE_FREE_TESTS:
+        return (f"{spec} on placement {placement!r} is timing-dependent (the async-copy race, known bug "
+                f"async-copy-race-busy-gpu: non_blocking CPU copies of inv_scale/found_inf used before they "
+                f"land)")
+    return None
+
+
+STANDALONE_DIR = "fsdp_amp_suite/repro/standalone"  # relative to the repository root
+
+
+def standalone_files(bugs=None) -> dict:
+    """{file stem: [the entries it shows, its own first]} over KNOWN_BUGS (or the given table)."""
+    out: dict = {}
+    for bug in KNOWN_BUGS if bugs is None else bugs:
+        out.setdefault(bug.standalone_file, []).append(bug)
+    return {stem: sorted(shown, key=lambda b: b.id != stem) for stem, shown in out.items()}
+
+
+def repro_bug(spec: str, bug_ids, any_version: bool = False, bugs=None, on=None) -> KnownBug | None:
+    """The known bug a repro case shows for this scaler: the first of its @pytest.mark.repro_of ids whose
+    entry names this built-in scaler (or is an FSDP implementation's bug: every scaler), where in force.
+    The entry's `tests` and `when` are the conformance/matrix checks' business: a repro case IS the bug."""
+    for bug_id in bug_ids:
+        bug = bug_by_id(bug_id, bugs)
+        if bug.hits(spec) and (any_version or bug.holds_on(on)):
+            return bug
+    return None
+
+
+def known_bug(spec: str, test_name: str, params: dict, cuda: bool, any_version: bool = False,
+              bugs=None, on=None) -> KnownBug | None:
+    """The known bug this test id hits: a built-in scaler's, or (any scaler) a built-in FSDP's.
+    Only a bug in force on the installed versions (or on `on`, versions.here()'s form), unless any_version (the report's "fixed"
+    column). Where several claim the check, the one no other `precedes` (first_by_precedence)."""
+    return first_by_precedence([bug for bug in (KNOWN_BUGS if bugs is None else bugs)
+                                if bug.hits(spec) and bug.matches(test_name, params, cuda)
+                                and (any_version or bug.holds_on(on))])
+
+
+def first_by_precedence(claiming: list) -> KnownBug | None:
+    """Of the entries claiming one check, the one that no other wins over. test_tables.py checks that every pair
+    that can claim a check together declares which wins; were one missing, the first in table order is taken."""
+    winners = [bug for bug in claiming if not any(other.wins_over(bug) for other in claiming)]
+    return (winners or claiming or [None])[0]

@@ -1,0 +1,255 @@
+"""Upstream reports of the known bugs, from their KNOWN_BUGS entries, standalone files and recorded runs.
+
+    python -m fsdp_amp_suite.upstream.reports ID                  print the report of one entry (docs/upstream/ID.md's text)
+    python -m fsdp_amp_suite.upstream.reports --write docs/upstream   write the report of every entry that gets one
+    python -m fsdp_amp_suite.upstream.reports --check docs/upstream   exit 1 naming each report that is not current
+    python -m fsdp_amp_suite.upstream.reports --record RUNS.json --merge DIR   add the runs a main job recorded into DIR
+    python -m fsdp_amp_suite.upstream.reports --record RUNS.json [--python PY ...]
+                                                       run every standalone file (each of its modes) under each
+                                                       interpreter (default: this one) and merge the outcomes
+                                                       into RUNS.json; prints the table of exit statuses against
+                                                       what KNOWN_BUGS expects for that torch
+
+A report is written for every entry that owns a standalone file, unless it is torch's behaviour by design
+or fixed upstream. Its "seen on" versions and outputs come from docs/upstream/runs.json, the recorded runs
+(--record), so the reports say only what was run.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from fsdp_amp_suite.known_bugs import STANDALONE_DIR, KnownBug, bug_by_id, standalone_files
+from fsdp_amp_suite.upstream.runs import PLAIN, ROOT, SKIP_STATUS, modes, path_of, run_file
+
+RUNS = ROOT / "docs" / "upstream" / "runs.json"
+SECTIONS = ("Root cause", "Fix", "Related")
+
+
+@dataclass(frozen=True)
+class Doc:
+    """A standalone file's docstring, split: its title line, the paragraphs before the report sections, and each
+    section (SECTIONS) as one paragraph."""
+    title: str
+    body: str
+    sections: dict
+
+
+def doc(stem: str) -> Doc:
+    """The docstring of fsdp_amp_suite/repro/standalone/<stem>.py; ValueError naming the file and what is missing."""
+    import ast
+
+    path = path_of(stem)
+    text = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    if not text:
+        raise ValueError(f"{path}: no module docstring")
+    title, _, rest = text.partition("\n")
+    heads = "|".join(SECTIONS)
+    parts = re.split(rf"^({heads}):[ \t]*", rest, flags=re.M)
+    body, found = parts[0].strip(), {}
+    for head, para in zip(parts[1::2], parts[2::2]):
+        found[head] = " ".join(para.split())
+    missing = [s for s in SECTIONS if not found.get(s)]
+    if missing:
+        raise ValueError(f"{path}: its docstring has no {', '.join(s + ':' for s in missing)} paragraph "
+                         f"(docs/upstream/README.md: the report's sections end the docstring)")
+    return Doc(title.strip(), body, found)
+
+
+def reported() -> list[KnownBug]:
+    """The entries that get an upstream report: each owns its file, and is neither by design nor fixed upstream."""
+    return [shown[0] for stem, shown in standalone_files().items()
+            if not shown[0].by_design and not shown[0].torch]
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+def run(stem: str, mode: str, python: str = sys.executable) -> dict:
+    """One run of a standalone file, as runs.json records it."""
+    return as_record(stem, mode, run_file(stem, mode, python), python)
+
+
+@functools.lru_cache(maxsize=None)
+def _versions_of(python: str) -> tuple:
+    """(torch, fairscale or "-", device) of an interpreter: one start-up of it per process, not one per record."""
+    with tempfile.TemporaryDirectory() as cwd:
+        return tuple(subprocess.run([python, "-c", _VERSIONS], cwd=cwd, capture_output=True, text=True,
+                                    check=True).stdout.split())
+
+
+def as_record(stem: str, mode: str, proc, python: str = sys.executable) -> dict:
+    versions = _versions_of(python)
+    return {"file": stem, "mode": mode, "torch": versions[0], "fairscale": versions[1], "device": versions[2],
+            "status": proc.returncode, "output": proc.stdout.strip() or proc.stderr.strip()[-2000:]}
+
+
+def record(stem: str, mode: str, proc, directory: Path) -> None:
+    """The run's record as directory/<stem>-<mode>.json (the main job's runs, FSDP_AMP_STANDALONE_RECORD);
+    `--merge DIR` adds them to runs.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{stem}-{mode}.json").write_text(json.dumps(as_record(stem, mode, proc)), encoding="utf-8")
+
+
+_VERSIONS = ("import importlib.metadata as m, torch\n"
+             "try: fs = m.version('fairscale')\nexcept m.PackageNotFoundError: fs = '-'\n"
+             "print(torch.__version__, fs, torch.cuda.get_device_name(0).replace(' ', '_') "
+             "if torch.cuda.is_available() else 'cpu')")
+
+
+def expected_status(stem: str, record: dict) -> int:
+    """What KNOWN_BUGS expects a run of the file to exit with on the record's versions and machine: the main job's
+    expectation of that run (fsdp_amp_suite/expectations.py policy 5) as an exit status."""
+    from fsdp_amp_suite.expectations import Machine, expectation
+
+    on = {"torch": Version(Version(record["torch"]).base_version),
+          "fairscale": None if record["fairscale"] == "-" else Version(record["fairscale"])}
+    machine = Machine(cuda=record["device"] != "cpu", n_gpus=int(record["device"] != "cpu"), versions=on)
+    expected = expectation(None, "test_standalone_repro_shows_no_bug", {"standalone": stem, "mode": record["mode"]},
+                           machine=machine)
+    return SKIP_STATUS if expected.skip else int(bool(expected.xfail))
+
+
+def load_runs(path: Path = RUNS) -> list[dict]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """new replaces old runs of the same file, mode, torch and device."""
+    key = lambda r: (r["file"], r["mode"], r["torch"], r["device"])  # noqa: E731
+    fresh = {key(r) for r in new}
+    return sorted([r for r in old if key(r) not in fresh] + new, key=key)
+
+
+def table(runs: list[dict]) -> str:
+    """Markdown: file x mode rows, one column per (torch, device), each cell the status and whether KNOWN_BUGS
+    expected it (`1 ok`, `0 UNEXPECTED (1)`)."""
+    cols = sorted({(r["torch"], r["device"]) for r in runs}, key=lambda c: (Version(c[0].split("+")[0]), c[1]))
+    rows = sorted({(r["file"], r["mode"]) for r in runs})
+    at = {(r["file"], r["mode"], r["torch"], r["device"]): r for r in runs}
+    lines = ["| file | mode | " + " | ".join(f"torch {t} {d}" for t, d in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for stem, mode in rows:
+        cells = []
+        for col in cols:
+            r = at.get((stem, mode, *col))
+            if r is None:
+                cells.append("")
+                continue
+            want = expected_status(stem, r) if stem in standalone_files() else None
+            cells.append(f"{r['status']} ok" if r["status"] == want else f"{r['status']} UNEXPECTED ({want})")
+        lines.append(f"| `{stem}` | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- reports
+
+def report(bug: KnownBug, runs: list[dict]) -> str:
+    """The Markdown report of one entry."""
+    stem = bug.standalone_file
+    d = doc(stem)
+    mine = [r for r in runs if r["file"] == stem]
+    seen = sorted({(r["torch"], r["fairscale"], r["device"]) for r in mine if r["mode"] == PLAIN and r["status"] == 1})
+    also = [b.id for b in standalone_files()[stem][1:]]
+    lines = [f"# {d.title}", "",
+             f"`KNOWN_BUGS` id `{bug.id}`" + (f" (the same defect: {', '.join(f'`{a}`' for a in also)})" if also else "")
+             + f"; write-up: [docs/bugs.md](../bugs.md#{bug.id}).", "", d.body, "",
+             "## Versions", ""]
+    if seen:
+        lines += [f"- seen on torch {t}" + (f", fairscale {f}" if f != "-" and "fairscale" in bug.fairscale + stem else "")
+                  + f", {'CPU' if dev == 'cpu' else dev.replace('_', ' ')}" for t, f, dev in seen]
+    else:
+        lines.append("- not yet recorded" + (" on a GPU (the GPU gate records it: `ci/gpu.sh` writes the runs, "
+                     "`python -m fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json --merge OUT/standalone-runs`)"
+                     if bug.needs == "cuda" else ": `python -m fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json`"))
+    lines += ["- KNOWN_BUGS claims it on " + (f"torch `{bug.torch}`" if bug.torch else
+                                               "every supported torch (its code is unchanged in the 2.4.1 .. 2.15.0 sources)")
+              + (f", fairscale `{bug.fairscale}`" if bug.fairscale else ""), "",
+              "## Reproduce", "", f"`{STANDALONE_DIR}/{stem}.py`, with nothing but torch"
+              + (" and fairscale" if "fairscale" in stem else "") + " installed:", "", "```python",
+              path_of(stem).read_text(encoding="utf-8").rstrip(), "```", ""]
+    for mode in modes(standalone_files()[stem]):
+        ran = [r for r in mine if r["mode"] == mode and r["status"] != SKIP_STATUS]
+        if ran:
+            r = ran[-1]
+            flag = "" if mode == PLAIN else f" --{mode}"
+            lines += [f"On torch {r['torch']} ({'CPU' if r['device'] == 'cpu' else r['device'].replace('_', ' ')}):",
+                      "", "```", f"$ python {stem}.py{flag}", r["output"], "$ echo $?", str(r["status"]), "```", ""]
+    lines += ["## Can real training hit it?", "", f"**{bug.reach.kind}**: {bug.reach.how}."
+              + (f" Shown by `python {stem}.py {bug.reach.run}`." if bug.reach.run else ""), "",
+              "## Root cause", "", _sentence(d.sections["Root cause"]), "",
+              "## Proposed fix", "", _sentence(d.sections["Fix"]) + ("" if "--with-fix" in d.sections["Fix"] else
+                                                         f" `python {stem}.py --with-fix` applies it by monkeypatching."),
+              "", "## Related", "", d.sections["Related"], ""]
+    return "\n".join(lines)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def check(directory: Path, runs: list[dict]) -> list[str]:
+    """The reports of `directory` that are missing or differ from what would be written."""
+    out = []
+    for bug in reported():
+        path = directory / f"{bug.id}.md"
+        if not path.exists() or path.read_text(encoding="utf-8") != report(bug, runs):
+            out.append(str(path))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_amp_suite.upstream.reports", description=__doc__.split("\n\n")[0])
+    parser.add_argument("id", nargs="?", help="a KNOWN_BUGS id: print its report")
+    parser.add_argument("--write", metavar="DIR", type=Path)
+    parser.add_argument("--check", metavar="DIR", type=Path)
+    parser.add_argument("--record", metavar="RUNS", type=Path)
+    parser.add_argument("--python", action="append", default=[], metavar="PY",
+                        help="--record: an interpreter to run the files with (repeatable; default: this one)")
+    parser.add_argument("--only", action="append", default=[], metavar="STEM", help="--record: these files only")
+    parser.add_argument("--merge", metavar="DIR", type=Path,
+                        help="with --record RUNS: add the records a main job wrote into DIR (FSDP_AMP_STANDALONE_RECORD)")
+    args = parser.parse_args(argv)
+    if args.record:
+        if args.merge:
+            new = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(args.merge.glob("*.json"))]
+        else:
+            new = [run(stem, mode, py) for py in args.python or [sys.executable]
+                   for stem, shown in standalone_files().items() if not args.only or stem in args.only
+                   for mode in modes(shown)]
+        runs = merge(load_runs(args.record), new)
+        args.record.write_text(json.dumps(runs, indent=1) + "\n", encoding="utf-8")
+        print(table(new))
+        return int(any(r["status"] != expected_status(r["file"], r) for r in new))
+    runs = load_runs()
+    if args.write or args.check:
+        if args.check:
+            stale = check(args.check, runs)
+            for path in stale:
+                print(f"{path}: not current: run `python -m fsdp_amp_suite.upstream.reports --write {args.check}`")
+            return int(bool(stale))
+        args.write.mkdir(parents=True, exist_ok=True)
+        for bug in reported():
+            (args.write / f"{bug.id}.md").write_text(report(bug, runs), encoding="utf-8")
+        print(f"{args.write}: {len(reported())} reports written")
+        return 0
+    if not args.id:
+        parser.error("name a KNOWN_BUGS id, or --write/--check/--record")
+    try:
+        bug = bug_by_id(args.id)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(report(bug, runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
