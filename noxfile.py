@@ -1,4 +1,5 @@
-"""The suite on several torch versions, then one table: known bug x torch version (python -m fsdp_amp_suite.version_table).
+"""The suite on several torch versions, then one table: known bug x torch version
+(python -m fsdp_amp_suite.version_table).
 
     nox                                   # every version of TORCH_VERSIONS, then the table (versions-out/table.md)
     nox -s "tests(torch='2.13.0')"        # one of them; extra pytest args after --

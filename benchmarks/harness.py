@@ -22,7 +22,7 @@ from fsdp_amp_suite.harness.pool import RankPool
 
 def timed(harness, n):
     times, results = [], []
-    for i in range(n):
+    for _ in range(n):
         t0 = time.perf_counter()
         results.append(harness.run(fsdp_mlp_three_steps, world_size=2))
         times.append(time.perf_counter() - t0)

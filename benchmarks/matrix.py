@@ -52,7 +52,8 @@ def main():
         counts, wall = run(args.n, k, extra)
         print(f"-- {name} (-k {k}):")
         for impl in sorted({i for i, _ in counts}):
-            print(f"{impl:10s} " + "  ".join(f"{o} {counts[impl, o]}" for o in ("passed", "xfailed", "failed", "skipped")))
+            print(f"{impl:10s} " + "  ".join(f"{o} {counts[impl, o]}"
+                                             for o in ("passed", "xfailed", "failed", "skipped")))
         ran = sum(n for (_, o), n in counts.items() if o != "skipped")
         print(f"{ran} cells ran in {wall:.1f} s wall (-n {args.n}), start-up included")
         rates[name] = ran / (wall / 60)

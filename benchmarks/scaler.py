@@ -108,7 +108,8 @@ def main():
              "torch_sharded": scaler_unscale(ShardedGradScaler(device="cuda"), cparams)}, args.repeats, "cuda").items()}
         cceil = crate["inplace"]
         print(f"  in-place ceiling (_foreach_mul_ 1.0): {cceil:7.1f} GB/s")
-        print(f"  ours:                                 {crate['ours']:7.1f} GB/s  ({crate['ours'] / cceil:.2f} of ceiling)")
+        print(f"  ours:                                 {crate['ours']:7.1f} GB/s  "
+              f"({crate['ours'] / cceil:.2f} of ceiling)")
         print(f"  torch_sharded:                        {crate['torch_sharded']:7.1f} GB/s  "
               f"({crate['torch_sharded'] / cceil:.2f})")
         for placement in ("cuda", "mixed"):

@@ -15,6 +15,7 @@ python -m pip install -q -r requirements-integrations.txt                 # the 
 python -m pip install -q --no-deps -e .                                   # the suite's plugin, as a consumer has it
 python -m pip install -q --require-hashes -r requirements-ci.txt          # CI tools, pinned by hash
 actionlint .github/workflows/*.yml                                          # the workflows lint clean
+ruff check --no-cache .                                                      # the code lints clean (pyproject.toml [tool.ruff])
 SECONDS=0
 python -m pytest -n auto -p benchmarks.cputime --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json"
 echo "ci/cpu.sh: the main job took ${SECONDS} s"

@@ -142,7 +142,8 @@ def _marker_lines(lines: list[str], name: str) -> tuple[int, int]:
     if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
         raise MarkersMissing(
             f"{name}: expected one line {START!r} and, after it, one line {END!r} "
-            f"(found {len(starts)} and {len(ends)}{', in the wrong order' if starts and ends and ends[0] < starts[0] else ''}); "
+            f"(found {len(starts)} and {len(ends)}"
+            f"{', in the wrong order' if starts and ends and ends[0] < starts[0] else ''}); "
             f"put the two marker lines where the known-bugs table belongs, then run "
             f"`python -m fsdp_amp_suite.bugtable --write {name}`")
     return starts[0], ends[0]

@@ -68,7 +68,8 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every check's expectation (fsdp_amp_suite/expectations.py), applied here and nowhere else; --only-pairs deselects."""
+    """Every check's expectation (fsdp_amp_suite/expectations.py), applied here and nowhere else; --only-pairs
+    deselects."""
     pairs_path = config.getoption("--only-pairs")
     if pairs_path:
         try:

@@ -65,7 +65,8 @@ class KnownBug:
     torch: str = ""  # PEP 440 specifiers of the versions the bug holds on ("": every supported one);
     fairscale: str = ""  # on a version outside them the check is expected to pass (fixed there)
     reach: Reach | None = None  # can real training hit it? (every entry has one: tests/meta/test_standalone_files.py)
-    standalone: str = ""  # the standalone repro showing it, fsdp_amp_suite/repro/standalone/<standalone>.py ("": its id's)
+    standalone: str = ""  # the standalone repro showing it, fsdp_amp_suite/repro/standalone/<standalone>.py ("": its
+                          # id's)
     needs: str = ""  # what that file needs to run (a fsdp_amp_suite/expectations.py NEEDS key), on the file's own entry
     by_design: bool = False  # torch's behaviour by design: no fix to propose, no upstream report
     precedes: frozenset | Every = frozenset()  # ids of the entries it wins over where both claim a check: the
@@ -98,7 +99,8 @@ class KnownBug:
 
 
 # Where a bug holds, as version specifiers (fsdp_amp_suite/versions.py). Upstream bugs still open are claimed for
-# every supported torch (their code is unchanged from the first to the last of versions.CHECKED_TORCH); fairscale's own bugs
+# every supported torch (their code is unchanged from the first to the last of versions.CHECKED_TORCH);
+# fairscale's own bugs
 # for its last release, the one this suite pins and ran: a new release must be re-checked, not assumed.
 ANY_TORCH = ""
 FAIRSCALE_0_4_13 = "==0.4.13"
@@ -125,7 +127,8 @@ BUSY = "test_busy_gpu_cpu_grads_are_unscaled_and_checked"
 CHECKPOINT_TESTS = {"test_state_dict_round_trip_resumes_identically",  # test_scale_rules.py: a checkpoint resumes,
                     "test_a_checkpoint_crosses_between_scalers_and_resumes_identically",  # from or into another
                     "test_a_checkpoint_saved_by_another_torch_loads_and_resumes"}  # scaler, or another torch
-FUSED = "test_an_overflow_skips_a_fused_optimizer_exactly"  # param `fused`: the optimizer class (test_fused_optimizers.py)
+FUSED = "test_an_overflow_skips_a_fused_optimizer_exactly"  # param `fused`: the optimizer class
+                                                            # (test_fused_optimizers.py)
 STEP_COUNTER_FUSED = ("Adam", "AdamW", "Adagrad")  # fused optimizers whose state has a shape-[] step counter
 # fused optimizers by the torch versions on which torch's scalers hand them found_inf (GradScaler's fused path):
 # fused Adagrad joined it in torch 2.12; on 2.11 the scalers treat it as any other optimizer (seen on the GPU
@@ -193,7 +196,8 @@ KNOWN_BUGS = [
          "and then steps on inf grads; it has no device argument",
          when=lambda params, cuda: not cuda, fairscale=FAIRSCALE_0_4_13,
          title="silently disabled without CUDA, then steps on inf grads",
-         reach=Reach(EVERY_RUN, "every job on a machine without CUDA: the scaler never scales, and an inf or NaN that the fp16 "
+         reach=Reach(EVERY_RUN, "every job on a machine without CUDA: the scaler never scales, and an inf or NaN that "
+                     "the fp16 "
                      "forward makes is applied"),
          needs="no-cuda",
          precedes=EVERY_OTHER_BUG),  # a disabled scaler shows nothing else
@@ -202,29 +206,36 @@ KNOWN_BUGS = [
          "which FSDP mixed precision without offload produces (fairscale; FSDP1 keep_low_precision_grads)",
          when=where(dtype="float16"),
          title='fp16 grads refused by design ("Attempting to unscale FP16 gradients")',
-         reach=Reach(EVERY_RUN, "every step whose grads are fp16 (FSDP1 keep_low_precision_grads, the file's run; fairscale mixed"
+         reach=Reach(EVERY_RUN, "every step whose grads are fp16 (FSDP1 keep_low_precision_grads, the file's run; "
+                     "fairscale mixed"
                      " precision without offload at world size 1)"),
          by_design=True,
-         precedes={"fairscale-fsdp-mixed-precision-grads", "fsdp1-keeplow-offload-grad-dtype", "torch-amp-not-shard-aware-fsdp"}),  # the first unscale raises
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fsdp1-keeplow-offload-grad-dtype",
+                   "torch-amp-not-shard-aware-fsdp"}),  # the first unscale raises
     _bug("bf16-cuda-unscale-kernel", {"torch_amp", "torch_sharded", "fairscale_sharded"}, UNSCALE_TESTS | {MATRIX},
          "torch._amp_foreach_non_finite_check_and_unscale_ has no CUDA kernel for bf16 "
          "(NotImplementedError ... not implemented for 'BFloat16'), so bf16 grads on CUDA crash the scaler "
          "(fairscale FSDP with compute_dtype bf16 and no offload at world size 1; FSDP1 keep_low_precision_grads)",
          when=where(dtype="bfloat16", placement=("cuda", "mixed")),
          title="bf16 grads on CUDA crash the unscale kernel",
-         reach=Reach(EVERY_RUN, "every step whose grads are bf16 on CUDA (FSDP1 keep_low_precision_grads in bf16; fairscale "
+         reach=Reach(EVERY_RUN, "every step whose grads are bf16 on CUDA (FSDP1 keep_low_precision_grads in bf16; "
+                     "fairscale "
                      "compute_dtype bf16 without offload)"),
          needs="cuda",
-         precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-fused-optimizer-kwarg", "torch-amp-not-shard-aware-fsdp", "torch-sharded-fused-adamw-after-unscale"}),  # the unscale raises before anything else can show
+         precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-fused-optimizer-kwarg",
+                   "torch-amp-not-shard-aware-fsdp",
+                   "torch-sharded-fused-adamw-after-unscale"}),  # the unscale raises before anything else can show
     _bug("torch-amp-not-shard-aware", {"torch_amp"}, NOT_SHARD_AWARE,
          "torch.amp.GradScaler does not agree on found_inf across ranks (it relies on DDP's all-reduced grads): "
          "with sharded grads an inf on one rank makes only that rank skip and back off",
          when=lambda params, cuda: params.get("bad_ranks") != (0, 1),
          title="no agreement on found_inf across ranks: an inf on one rank skips only there",
-         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight row, which"
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight "
+                     "row, which"
                      " after the reduce-scatter lies in one rank's shard only", run="--real-overflow"),
          by_design=True),
-    _bug("torch-amp-not-shard-aware-busy-gpu", {"torch_amp"}, {BUSY}, "torch.amp.GradScaler does not agree on found_inf across ranks",
+    _bug("torch-amp-not-shard-aware-busy-gpu", {"torch_amp"}, {BUSY},
+         "torch.amp.GradScaler does not agree on found_inf across ranks",
          when=where(world_size=2, bad=True, placement="cuda"),
          title="no agreement on found_inf across ranks, in the busy-GPU check",
          reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
@@ -237,9 +248,11 @@ KNOWN_BUGS = [
          "(fairscale-state-dict-after-backoff), growth to inf (sharded-cpu-scale-grows-to-inf)",
          when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
          title="scale on CPU: call sequences reach several of its bugs, whichever comes first",
-         reach=Reach(REACHABLE, "as its parts; fairscale-cpu-found-inf-not-agreed shows a real overflow", run="--real-overflow"),
+         reach=Reach(REACHABLE, "as its parts; fairscale-cpu-found-inf-not-agreed shows a real overflow",
+                     run="--real-overflow"),
          standalone="fairscale-cpu-found-inf-not-agreed",
-         precedes={"sharded-cpu-scale-grows-to-inf"}),  # fairscale with its scale on CPU has more than that bug for a sequence to reach
+         precedes={"sharded-cpu-scale-grows-to-inf"}),  # fairscale with its scale on CPU has more than that bug for a
+                                                        # sequence to reach
     _bug("amp-update-one-element-new-scale", {"torch_amp", "torch_sharded", "fairscale_sharded"},
          {"test_update_with_new_scale"},
          "GradScaler.update(new_scale=t) accepts a 1-element tensor (its own AssertionError asks for 'a 1-element "
@@ -265,7 +278,8 @@ KNOWN_BUGS = [
          "torch.save(scaler) raise TypeError: cannot pickle 'ProcessGroup' object, where torch.amp.GradScaler pickles "
          "between iterations (torch and fairscale alike)",
          title="does not pickle once it holds a process group (the default does, if imported after init)",
-         reach=Reach(EVERY_RUN, "no overflow: every pickle, deepcopy or torch.save of the scaler object when it holds a "
+         reach=Reach(EVERY_RUN, "no overflow: every pickle, deepcopy or torch.save of the scaler object when it holds "
+                     "a "
                      "process group (given one, or its module imported after init_process_group)")),
     _bug("sharded-cpu-scale-grows-to-inf", {"torch_sharded", "fairscale_sharded"},
          {"test_growth_never_overflows_to_inf", SEQUENCES, MESH_SEQUENCES},
@@ -274,7 +288,8 @@ KNOWN_BUGS = [
          "backs off from inf forever (torch and fairscale alike)",
          when=where(placement=CPU_SCALE),
          title="scale on CPU grows to inf (no isfinite check), then every step is skipped",
-         reach=Reach(REACHABLE, "no overflow: the scale itself becomes inf in a run whose loss and grads stay finite at a scale "
+         reach=Reach(REACHABLE, "no overflow: the scale itself becomes inf in a run whose loss and grads stay finite "
+                     "at a scale "
                      "of 2**127 (bf16 or fp32 compute; in fp16 the backward overflows first). The file's real run: "
                      "FSDP1 bf16 from 2**124, growth_interval 1. With the defaults that takes 224,000 overflow-free "
                      "steps", run="--real-overflow")),
@@ -284,27 +299,32 @@ KNOWN_BUGS = [
          "result away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip",
          when=lambda params, cuda: _cpu_found_inf_not_agreed(params, cuda), fairscale=FAIRSCALE_0_4_13,
          title="CPU found_inf all-reduced on a copy that is thrown away",
-         reach=Reach(REACHABLE, "torch FSDP1 CPUOffload fp16 on 2 gloo ranks sharing a GPU, the loss moved to the CPU params "
+         reach=Reach(REACHABLE, "torch FSDP1 CPUOffload fp16 on 2 gloo ranks sharing a GPU, the loss moved to the CPU "
+                     "params "
                      "(fairscale #421's path): the scaled backward overflows in one output unit's weight row, which "
                      "after the reduce-scatter lies in one rank's CPU shard only", run="--real-overflow"),
          needs="cuda"),
-    _bug("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"}, {"test_two_optimizers_skip_independently_back_off_once"},
+    _bug("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"},
+         {"test_two_optimizers_skip_independently_back_off_once"},
          "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; two optimizers "
          "that both saw inf sum to 2.0 and the scale grows instead",
          when=where(placement=CPU_SCALE, bad_opts=[(0, 1)]), fairscale=FAIRSCALE_0_4_13,
          title="backs off only if found_inf == 1.0: two optimizers' 2.0 grows the scale",
-         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), one optimizer per layer, fp16 autocast at the "
+         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), one optimizer per layer, fp16 "
+                     "autocast at the "
                      "default init_scale 2**16: the scaled backward overflows by itself into both layers' grads, "
                      "found_inf sums to 2.0 and the scale grows", run="--real-overflow"),
          needs="cuda"),
-    _bug("fairscale-cpu-found-inf-not-agreed-per-optimizer", {"fairscale_sharded"}, {"test_each_optimizer_agrees_across_ranks"},
+    _bug("fairscale-cpu-found-inf-not-agreed-per-optimizer", {"fairscale_sharded"},
+         {"test_each_optimizer_agrees_across_ranks"},
          "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
          "and throws the result away), so with CPU grads each optimizer skips only on the ranks that saw the inf",
          when=where(placement=ONLY_CPU_GRADS), fairscale=FAIRSCALE_0_4_13,
          title="CPU found_inf never agreed across ranks, per optimizer",
          reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
          standalone="fairscale-cpu-found-inf-not-agreed"),
-    _bug("fairscale-cpu-found-inf-not-agreed-scale-lockstep", {"fairscale_sharded"}, {"test_ranks_keep_scale_in_lockstep"},
+    _bug("fairscale-cpu-found-inf-not-agreed-scale-lockstep", {"fairscale_sharded"},
+         {"test_ranks_keep_scale_in_lockstep"},
          "fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA copy "
          "and throws the result away), so the ranks' scales diverge",
          when=where(placement=CPU_GRADS), fairscale=FAIRSCALE_0_4_13,
@@ -316,7 +336,8 @@ KNOWN_BUGS = [
          "checks were recorded for this optimizer' while the others wait in all_reduce (fixed in torch by "
          "pytorch#99174, never in fairscale)", fairscale=FAIRSCALE_0_4_13,
          title="a rank without grads raises while the others wait",
-         reach=Reach(EVERY_RUN, "no overflow: every step on which a rank's optimizer holds no grad (frozen params sharded so that"
+         reach=Reach(EVERY_RUN, "no overflow: every step on which a rank's optimizer holds no grad (frozen params "
+                     "sharded so that"
                      " one rank holds only frozen ones, as in pytorch#99174; an unused branch)"),
          needs="cuda"),
     _bug("fairscale-state-dict-after-backoff", {"fairscale_sharded"}, CHECKPOINT_TESTS | {STATE},
@@ -324,19 +345,25 @@ KNOWN_BUGS = [
          "state_dict() (and _get_growth_tracker()) then raises AttributeError: 'int' object has no attribute 'item'",
          when=where(placement=CPU_SCALE), fairscale=FAIRSCALE_0_4_13,
          title="state_dict() raises after a backoff, scale on CPU",
-         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), fp16 autocast at the default init_scale: the "
-                     "scaled backward overflows by itself, the scale backs off, and state_dict() raises", run="--real-overflow"),
+         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), fp16 autocast at the default "
+                     "init_scale: the "
+                     "scaled backward overflows by itself, the scale backs off, and state_dict() raises",
+                     run="--real-overflow"),
          needs="cuda"),
     _bug("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"}, {"test_update_with_new_scale"},
          "fairscale ShardedGradScaler.update(new_scale=tensor) asserts a torch.cuda.FloatTensor, so a CPU "
-         "tensor for a scale that lives on CPU is refused", when=where(placement="cpu", form=("tensor", "one_element")), fairscale=FAIRSCALE_0_4_13,
+         "tensor for a scale that lives on CPU is refused", when=where(placement="cpu", form=("tensor", "one_element")),
+         fairscale=FAIRSCALE_0_4_13,
          title="update(new_scale=CPU tensor) refused",
-         reach=Reach(EVERY_RUN, "no overflow: every call update(new_scale=<a CPU tensor>) on a scaler whose scale lives on CPU"),
+         reach=Reach(EVERY_RUN, "no overflow: every call update(new_scale=<a CPU tensor>) on a scaler whose scale "
+                     "lives on CPU"),
          needs="cuda",
          precedes={"amp-update-one-element-new-scale"}),  # its assertion refuses the tensor before the copy
-    _bug("fairscale-backoff-only-if-exactly-one-two-devices", {"fairscale_sharded"}, {"test_inf_on_two_devices_backs_off_once"},
+    _bug("fairscale-backoff-only-if-exactly-one-two-devices", {"fairscale_sharded"},
+         {"test_inf_on_two_devices_backs_off_once"},
          "fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; an inf on two "
-         "devices sums to 2.0 and the scale grows instead", when=where(placement="mixed_cpu_scale"), fairscale=FAIRSCALE_0_4_13,
+         "devices sums to 2.0 and the scale grows instead", when=where(placement="mixed_cpu_scale"),
+         fairscale=FAIRSCALE_0_4_13,
          title="backs off only if found_inf == 1.0: an inf on two devices grows the scale",
          reach=Reach(REACHABLE, "as fairscale-backoff-only-if-exactly-one", run="--real-overflow"),
          standalone="fairscale-backoff-only-if-exactly-one"),
@@ -345,7 +372,8 @@ KNOWN_BUGS = [
          "CUDA makes two collectives, a rank without grads one, and the group hangs",
          when=where(placement="mixed"), beats_race=True,
          title="one collective per grad device: CPU+CUDA grads vs a rank without grads hang",
-         reach=Reach(EVERY_RUN, "no overflow: every step on which the ranks' sets of grad devices differ (one rank with grads on "
+         reach=Reach(EVERY_RUN, "no overflow: every step on which the ranks' sets of grad devices differ (one rank "
+                     "with grads on "
                      "CPU and CUDA, partial offload; another with none this step)"),
          needs="cuda"),
     _bug("async-copy-race-busy-gpu", {"torch_amp", "torch_sharded"}, {BUSY},
@@ -354,7 +382,8 @@ KNOWN_BUGS = [
          "Bites real loops that "
          "queue GPU work between backward and unscale_/step", when=where(placement=CPU_GRADS_CUDA_SCALE),
          title="non_blocking CPU copies of inv_scale/found_inf read before they land (busy GPU)",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a CPU-offload loop with the scale on CUDA that queues GPU work "
+         reach=Reach(EVERY_RUN, "no overflow: every step of a CPU-offload loop with the scale on CUDA that queues GPU "
+                     "work "
                      "between backward and unscale_/step may read the copies before they land (a real FSDP1 CPUOffload"
                      " fp16 loop with one queued matmul lost 3 to 7 of 20 clean steps); timing-dependent, so the suite"
                      " keeps the GPU busy to show it"),
@@ -366,7 +395,8 @@ KNOWN_BUGS = [
          "along the first grad's sharded mesh dims only, so part of the mesh skips while the rest steps "
          "(dtensor-found-inf-first-grad-placements)",
          title="DTensor grads on a mesh: call sequences reach fp16 refusal or a part-mesh skip, whichever comes first",
-         reach=Reach(REACHABLE, "as its parts; dtensor-found-inf-first-grad-placements shows a real overflow (torch-amp-refuses-"
+         reach=Reach(REACHABLE, "as its parts; dtensor-found-inf-first-grad-placements shows a real overflow "
+                     "(torch-amp-refuses-"
                      "fp16-grads needs none)", run="--real-overflow"),
          standalone="dtensor-found-inf-first-grad-placements"),
     _bug("dtensor-mixed-with-tensor-grads", {"torch_amp", "torch_sharded"}, {MESH},
@@ -376,7 +406,8 @@ KNOWN_BUGS = [
          "RuntimeError: ... got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor",
          when=lambda params, cuda: "plain" in params.get("order", ()),
          title="DTensor and plain tensor grads in one optimizer: the unscale kernel call raises",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard or tensor parallelism, its "
+         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard or tensor "
+                     "parallelism, its "
                      "plain and DTensor params in one optimizer (the file's run: fully_shard on the body only)"),
          needs="dtensor"),
     _bug("dtensor-found-inf-first-grad-placements", {"torch_amp"}, {MESH},
@@ -389,7 +420,8 @@ KNOWN_BUGS = [
          when=lambda params, cuda: (params.get("bad") is not None and "plain" not in params.get("order", ())
                                     and params["order"][0] in ("replicated", "expert")),
          title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only",
-         reach=Reach(REACHABLE, "FSDP2 over dp on top of tensor parallelism: the scaled backward overflows fp16 only in one tp "
+         reach=Reach(REACHABLE, "FSDP2 over dp on top of tensor parallelism: the scaled backward overflows fp16 only "
+                     "in one tp "
                      "rank's colwise rows, the TP-replicated bias first in the optimizer; the ranks of the other tp "
                      "column step", run="--real-overflow"),
          needs="dtensor"),
@@ -402,7 +434,8 @@ KNOWN_BUGS = [
          "there: FSDP2 all-reduces grads across replicas, so every replica sees it",
          when=where(impl="fsdp2", mesh="hsdp", overflow="injected"),
          title="FSDP2 HSDP: an inf in one replica's reduced grads skips that replica only (injection only)",
-         reach=Reach(INJECTION_ONLY, "FSDP2 all-reduces grads across the replicate dim after the reduce-scatter, so an overflow born "
+         reach=Reach(INJECTION_ONLY, "FSDP2 all-reduces grads across the replicate dim after the reduce-scatter, so an "
+                     "overflow born "
                      "in one replica reaches every replica's shard and every rank skips (a real run confirms it). A "
                      "job gets here only if its grads differ across replicas after the reduction: a hook that writes "
                      "grads after it, stepping with set_requires_all_reduce(False), a fault in one replica"),
@@ -416,8 +449,10 @@ KNOWN_BUGS = [
          when=lambda params, cuda: cuda and bool(params.get("bad")) and params.get("placement", "cpu") == "cpu",
          fairscale=FAIRSCALE_0_4_13,
          title="DTensor grads on CPU: found_inf never agreed; only the rank whose shard overflowed skips",
-         reach=Reach(REACHABLE, "FSDP2 on a 1D CPU mesh of 2 ranks, fp16 autocast, fairscale's scaler on a CUDA machine: the "
-                     "scaled backward overflows only in rows that the reduce-scatter hands to rank 1", run="--real-overflow"),
+         reach=Reach(REACHABLE, "FSDP2 on a 1D CPU mesh of 2 ranks, fp16 autocast, fairscale's scaler on a CUDA "
+                     "machine: the "
+                     "scaled backward overflows only in rows that the reduce-scatter hands to rank 1",
+                     run="--real-overflow"),
          needs="cuda"),
     _bug("fairscale-dtensor-mixed-with-tensor-grads", {"fairscale_sharded"}, {MESH},
          "fairscale ShardedGradScaler unscales CUDA grads as torch's scalers do, one "
@@ -428,7 +463,8 @@ KNOWN_BUGS = [
          when=lambda params, cuda: params.get("placement") == "cuda" and "plain" in params.get("order", ()),
          fairscale=FAIRSCALE_0_4_13,
          title="DTensor and plain tensor grads on CUDA in one optimizer: the unscale kernel call raises",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard on CUDA, its plain and DTensor "
+         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard on CUDA, its plain "
+                     "and DTensor "
                      "params in one optimizer"),
          needs="cuda"),
     # ---- the FSDP-vs-DDP matrix (tests/matrix)
@@ -450,7 +486,8 @@ KNOWN_BUGS = [
                                      and where(fused=STEP_COUNTER_FUSED, explicit_unscale=True)(params, cuda))
                                     if "fused" in params else where(optimizer="adamw", clip="clip")(params, cuda)),
          title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step",
-         reach=Reach(EVERY_RUN, "no overflow: every step of fused Adam, AdamW or Adagrad after an explicit unscale_ (clipping), "
+         reach=Reach(EVERY_RUN, "no overflow: every step of fused Adam, AdamW or Adagrad after an explicit unscale_ "
+                     "(clipping), "
                      "from the first, clean one (FSDP1 fp16 on 2 ranks raises at step 1 too)"),
          precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-cpu-unscale-found-inf-shape",
                    "amp-hands-fused-a-device-sum"}),  # the first step raises
@@ -461,7 +498,8 @@ KNOWN_BUGS = [
          "AdamW and Adagrad crash before, on the sum's shape: torch-sharded-fused-adamw-after-unscale)",
          when=where(fused="SGD", explicit_unscale=True),
          title="explicit unscale_: found_inf summed over ranks (2.0) makes a fused optimizer step on NaN",
-         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks at the default scale: the scaled backward overflows in both ranks' "
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks at the default scale: the scaled backward overflows in "
+                     "both ranks' "
                      "shards, unscale_ sums found_inf to 2.0, fused SGD applies the update", run="--real-overflow"),
          precedes={"fused-sgd-skipped-first-step"}),  # the check sees the sum first
     _bug("amp-hands-fused-a-device-sum", {"torch_amp", "torch_sharded"}, {FUSED},
@@ -471,10 +509,12 @@ KNOWN_BUGS = [
          "(found by the race-free runs of the mixed placement, torch 2.11 on one GPU; torch ShardedGradScaler "
          "inherits the step)",
          when=lambda params, cuda: (on_scalers_fused_path(params)
-                                    and where(fused=STEP_COUNTER_FUSED, placement=("mixed", "mixed_cpu_scale"))(params, cuda)),
+                                    and where(fused=STEP_COUNTER_FUSED,
+                                              placement=("mixed", "mixed_cpu_scale"))(params, cuda)),
          title="grads on two devices that both overflow: found_inf summed to 2.0, a fused optimizer steps on NaN",
          reach=Reach(INJECTION_ONLY, "shown with an inf written into a grad on each device; real training gets there "
-                     "only where one optimizer holds grads on CPU and on CUDA (some params offloaded, some not) and both "
+                     "only where one optimizer holds grads on CPU and on CUDA (some params offloaded, some not) and "
+                     "both "
                      "overflow in one step, which no run here has shown yet"),
          standalone="torch-sharded-hands-fused-a-sum"),
     _bug("fused-sgd-skipped-first-step", {"torch_amp", "torch_sharded"}, {FUSED},
@@ -485,7 +525,8 @@ KNOWN_BUGS = [
          "torch.amp.GradScaler and torch's ShardedGradScaler leave the skip to the kernel",
          when=where(fused="SGD"),
          title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it",
-         reach=Reach(REACHABLE, "fp16 autocast at the default init_scale 65536: the first scaled backward overflows by itself, "
+         reach=Reach(REACHABLE, "fp16 autocast at the default init_scale 65536: the first scaled backward overflows by "
+                     "itself, "
                      "the next are clean, and fused SGD ends all NaN", run="--real-overflow")),
     _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"}, {MATRIX, FUSED, PROTOCOL},
          "torch < 2.6: ShardedGradScaler unscales CPU grads in Python (_foreach_non_finite_check_and_unscale_cpu_), "
@@ -496,12 +537,15 @@ KNOWN_BUGS = [
          "unscales CPU grads with torch._amp_foreach_non_finite_check_and_unscale_)",
          when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", placement=("cpu", "cpu_loss", "offload"))
                                     if "cell" in params else where(value=float("inf"), placement="cpu")
-                                    if "value" in params else where(fused=STEP_COUNTER_FUSED, placement="cpu"))(params, cuda),
+                                    if "value" in params else where(fused=STEP_COUNTER_FUSED,
+                                                                    placement="cpu"))(params, cuda),
          torch="<2.6",
          title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow",
-         reach=Reach(REACHABLE, "torch < 2.6: FSDP1 fp16 on CPU at the default scale, whose first scaled backward overflows by "
+         reach=Reach(REACHABLE, "torch < 2.6: FSDP1 fp16 on CPU at the default scale, whose first scaled backward "
+                     "overflows by "
                      "itself, with fused AdamW", run="--real-overflow"),
-         precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-fused-adamw-no-agreement"}),  # on torch < 2.6 the first overflow raises
+         precedes={"fairscale-fsdp-mixed-precision-grads",
+                   "torch-sharded-fused-adamw-no-agreement"}),  # on torch < 2.6 the first overflow raises
     _bug("torch-sharded-fused-adamw-no-agreement", {"torch_sharded"}, {MATRIX},
          "torch ShardedGradScaler + a fused optimizer (AdamW fused=True): step() takes GradScaler's fused path, "
          "which checks grads through _check_inf_per_device and never reaches the all_reduce in "
@@ -510,9 +554,11 @@ KNOWN_BUGS = [
          "handler reduces along the shard dim only (dtensor-found-inf-first-grad-placements), so one replica skips",
          when=lambda params, cuda: (where(optimizer="adamw", clip="noclip", world_size=lambda ws: ws >= 2,
                                           impl=("fsdp1", "fairscale"))(params, cuda)
-                                    or where(optimizer="adamw", clip="noclip", impl="fsdp2", mesh="hsdp")(params, cuda)),
+                                    or where(optimizer="adamw", clip="noclip",
+                                             impl="fsdp2", mesh="hsdp")(params, cuda)),
          title="fused AdamW: found_inf never agreed across ranks",
-         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight row, in "
+         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's weight "
+                     "row, in "
                      "one rank's shard after the reduce-scatter. Its FSDP2 HSDP cells are injection only (see dtensor-"
                      "found-inf-hsdp-one-replica)", run="--real-overflow")),
     _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"}, {MATRIX, FUSED, PROTOCOL},
@@ -548,7 +594,8 @@ KNOWN_BUGS = [
          and (check_param(params, "params", cuda) == "orig" or check_param(params, "optimizer", cuda) == "adamw"
               or check_param(params, "overflow", cuda) != "injected"), fairscale=FAIRSCALE_0_4_13,
          title="fairscale FSDP mixed precision, world size 1: fp16/bf16 grads on fp32 params",
-         reach=Reach(EVERY_RUN, "no overflow: every step of fairscale FSDP mixed precision without offload at world size 1 "
+         reach=Reach(EVERY_RUN, "no overflow: every step of fairscale FSDP mixed precision without offload at world "
+                     "size 1 "
                      "(flatten_parameters=False, or fused AdamW)"),
          needs="cuda"),
     _bug("fsdp1-keeplow-offload-grad-dtype", EVERY_SCALER, {MATRIX},
@@ -562,7 +609,8 @@ KNOWN_BUGS = [
          when=lambda params, cuda: (where(impl="fsdp1", offload="offload", grads="keeplow")(params, cuda)
                                     and not where(mesh="hsdp", reshard="reshard")(params, cuda)), beats_race=True,
          title="FSDP1 keep_low_precision_grads + CPUOffload: the backward after zero_grad() raises",
-         reach=Reach(EVERY_RUN, "no overflow, no scaler: the second backward of every FSDP1 keep_low_precision_grads + CPUOffload"
+         reach=Reach(EVERY_RUN, "no overflow, no scaler: the second backward of every FSDP1 keep_low_precision_grads + "
+                     "CPUOffload"
                      " run that zeroes grads with set_to_none=True (the default)"),
          needs="cuda", precedes={"fairscale-cpu-found-inf-not-agreed"}),  # the second backward raises
     _bug("fairscale-busy-gpu", {"fairscale_sharded"}, {BUSY},
@@ -572,7 +620,8 @@ KNOWN_BUGS = [
          when=lambda params, cuda: params.get("placement") in CPU_GRADS_CUDA_SCALE
          and not (params.get("bad") and params.get("world_size") == 1), fairscale=FAIRSCALE_0_4_13,
          title="busy GPU: CPU grads zeroed by the async-copy race; on 2 ranks, no agreement either",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a loop with the scale on CUDA and the grads on CPU (FSDP CPU offload)"
+         reach=Reach(EVERY_RUN, "no overflow: every step of a loop with the scale on CUDA and the grads on CPU (FSDP "
+                     "CPU offload)"
                      " that queues GPU work between backward and scaler.step may read the copy before it lands (19 of "
                      "20 clean trials zeroed the CPU grads)"),
          needs="cuda"),
@@ -637,7 +686,8 @@ def repro_bug(spec: str, bug_ids, any_version: bool = False, bugs=None, on=None)
 def known_bug(spec: str, test_name: str, params: dict, cuda: bool, any_version: bool = False,
               bugs=None, on=None) -> KnownBug | None:
     """The known bug this test id hits: a built-in scaler's, or (any scaler) a built-in FSDP's.
-    Only a bug in force on the installed versions (or on `on`, versions.here()'s form), unless any_version (the report's "fixed"
+    Only a bug in force on the installed versions (or on `on`, versions.here()'s form), unless any_version (the report's
+    "fixed"
     column). Where several claim the check, the one no other `precedes` (first_by_precedence)."""
     return first_by_precedence([bug for bug in (KNOWN_BUGS if bugs is None else bugs)
                                 if bug.hits(spec) and bug.matches(test_name, params, cuda)

@@ -1,5 +1,6 @@
 """The report's data, one type for its writer and its readers: a Record per check and a Report per run
-(fsdp_amp_suite/report.py writes them, `--report-json` carries them as plain data, fsdp_amp_suite/version_table.py reads them back
+(fsdp_amp_suite/report.py writes them, `--report-json` carries them as plain data, fsdp_amp_suite/version_table.py reads
+them back
 with the same code), and the one table renderer (Markdown or plain text) both print with.
 
 Only the standard library: the version table runs where neither pytest nor torch is installed.
@@ -56,7 +57,8 @@ class Record:
 
     @classmethod
     def from_data(cls, data: dict) -> Record:
-        """From as_data's dict, or from a test's user_properties (fsdp_amp_suite/report.py label) plus id and outcome."""
+        """From as_data's dict, or from a test's user_properties (fsdp_amp_suite/report.py label) plus id and
+        outcome."""
         known = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
         family = known["family"]
         return cls(**dict(known, family=Cell(**family) if isinstance(family, dict) else family,

@@ -5,7 +5,8 @@ Built on pytest's own reports: every item carries its scaler, FSDP implementatio
 known bug as user_properties (set at collection, carried by xdist to the controller), and
 pytest_terminal_summary counts the reports pytest already collected, as Records (fsdp_amp_suite/records.py, the type
 --report-json and the version table share). EVERY collected test counts: scaler checks by scaler x the column
-their module marks (`pytest.mark.report_column(NAME)`; a module without one is a column of its own, named by its file), the
+their module marks (`pytest.mark.report_column(NAME)`; a module without one is a column of its own, named by its file),
+the
 matrix by (implementation, mesh, scaler) x (precision, offload), every other test by its file, and a
 collection error as a failure. The headline can never disagree with pytest's exit status. Cells
 read `passed/failed/xfailed/skipped`; the known-bug reasons (xfails) are listed once under the tables.
@@ -124,7 +125,8 @@ def records(reports) -> list[Record]:
     rank = {None: -1, "passed": 0, "skipped": 1, "xfailed": 2, "failed": 3}
     for rep in reports:
         # a CollectReport stands for a module that failed to collect or skipped itself whole
-        outcome = _outcome(rep) if hasattr(rep, "when") else "failed" if rep.failed else "skipped" if rep.skipped else None
+        outcome = (_outcome(rep) if hasattr(rep, "when")
+                   else "failed" if rep.failed else "skipped" if rep.skipped else None)
         if outcome is None:
             continue
         # a collect report has no properties: its family is its file
@@ -239,7 +241,8 @@ def render(recs: list[Record], markdown: bool, exitstatus: int = 0, about: dict 
             lines.append(f"- {r.nodeid}: {'; '.join(_death_line(d) for d in r.deaths)} ({whose}); rerun: {r.rerun}")
     bugs = known_bugs(recs)
     if bugs:
-        lines += ["", heading("Known upstream bugs (strict xfails)" if markdown else "known upstream bugs (strict xfails)",
+        lines += ["", heading("Known upstream bugs (strict xfails)" if markdown else
+                              "known upstream bugs (strict xfails)",
                               markdown)]
         for bug, reason, n, scalers in bugs:
             lines.append(f"- {n} x [{', '.join(scalers)}] {bug}: {reason}")

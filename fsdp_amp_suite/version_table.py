@@ -167,14 +167,16 @@ def render(sessions: list[Report], expect: list[str] = (), markdown: bool = Fals
     lines.append(heading("sessions", markdown))
     for s in sessions:
         v = s.versions
-        env = f"python {v.get('python')}, fairscale {v.get('fairscale')}, cuda {v.get('cuda')}, {len(v.get('gpus') or [])} GPU(s)"
+        env = (f"python {v.get('python')}, fairscale {v.get('fairscale')}, cuda {v.get('cuda')}, "
+               f"{len(v.get('gpus') or [])} GPU(s)")
         exit_status = "missing" if s.exitstatus is None else s.exitstatus
         lines.append(f"- {label(s)} ({env}): exit {exit_status}: {s.headline}")
         lines += [f"  - --xfails-file line {u.line} matched no test: {u.check}" for u in s.xfails_file_unmatched]
     lines.append("")
     groups = changed(sessions)
     lines.append(heading(f"checks whose outcome changed ({sum(g['count'] for g in groups)} in {len(groups)} group(s); "
-                         f"outcomes in the order {' / '.join(label(s) for s in sessions)}, '-': not collected)", markdown))
+                         f"outcomes in the order {' / '.join(label(s) for s in sessions)}, '-': not "
+                         "collected)", markdown))
     for g in groups:
         bug = f" [{', '.join(sorted(g['bugs']))}]" if g["bugs"] else ""
         example = g["example"].removeprefix(g["test"])

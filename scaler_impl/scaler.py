@@ -329,7 +329,7 @@ class DeviceSplitGradScaler(torch.amp.GradScaler):
                     groups[(grad.device, grad.dtype)].append(grad)
             found: dict[torch.device, torch.Tensor] = {}
             inv: dict[torch.device, torch.Tensor] = {}
-            for (device, dtype), grads in groups.items():
+            for (device, _dtype), grads in groups.items():
                 if device not in found:
                     found[device] = _on(found_inf, device)
                     inv[device] = _on(inv_scale, device)

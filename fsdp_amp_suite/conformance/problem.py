@@ -62,7 +62,8 @@ def device_mode(placement: str, world_size: int) -> str:
 
 def run_at(placement: str, body, *args, world_size: int = 1, timeout: float = 60) -> list:
     """run_on_ranks for a check of this placement: every rank's result."""
-    from fsdp_amp_suite.harness import run_on_ranks  # the harness imports nothing of the problem; ranks import this module
+    from fsdp_amp_suite.harness import run_on_ranks  # the harness imports nothing of the problem; ranks import this
+                                                     # module
 
     return run_on_ranks(body, *args, world_size=world_size, device=device_mode(placement, world_size),
                         timeout=timeout)

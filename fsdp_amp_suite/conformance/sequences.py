@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from fsdp_amp_suite.conformance.calls import (EMPTY_ON_RANK, GROUPS, MESH_KINDS, N_PARAMS, Backward, Keep, Load, Overflow,
+from fsdp_amp_suite.conformance.calls import (EMPTY_ON_RANK, GROUPS, MESH_KINDS, N_PARAMS, Backward, Keep, Load,
+                                              Overflow,
                                      ProblemModel, Rank, Resume, Step, Unscale, Update, advance_groups, as_data,
                                      from_data, group_of, groups_of, holds, owner, world_size)
 from fsdp_amp_suite.conformance.problem import INF_VALUES, PLACEMENTS, run_at
@@ -66,7 +67,8 @@ def run_sequence(spec: str, placement: str, config: dict, sequence: list) -> lis
         try:
             seen.append(dict(call.on_rank(r), **r.seen()))
         except Exception as exc:
-            raise RuntimeError(f"call {i} ({call.describe()}) raised on rank {rank}: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"call {i} ({call.describe()}) raised on rank {rank}: "
+                               f"{type(exc).__name__}: {exc}") from exc
     return seen
 
 
@@ -86,7 +88,8 @@ def first_divergence(config: dict, expected: list[list[dict]], seen: list[list[d
 
 def replay_command(spec: str, placement: str, config: dict, sequence: list) -> str:
     calls = [as_data(c) for c in sequence]
-    return shlex.join(["python", "-m", "fsdp_amp_suite.conformance.sequences", "--scaler", spec, "--placement", placement,
+    return shlex.join(["python", "-m", "fsdp_amp_suite.conformance.sequences", "--scaler", spec,
+                       "--placement", placement,
                        "--sequence", json.dumps({"config": config, "calls": calls})])
 
 

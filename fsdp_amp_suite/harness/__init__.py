@@ -1,7 +1,8 @@
 """The rank harness: run a function on N ranks, get every rank's result back. ranks.py is the API and
 says which module does what; docs/harness.md is the guide."""
 from fsdp_amp_suite.harness.failures import RankDied, RankFailure, RankHung, RankRaised
-from fsdp_amp_suite.harness.ranks import (DEFAULT_TIMEOUT_S, Harness, install, missing_requirement, run_on_ranks, session,
+from fsdp_amp_suite.harness.ranks import (DEFAULT_TIMEOUT_S, Harness, install, missing_requirement, run_on_ranks,
+                                          session,
                                  shutdown_pools)
 from fsdp_amp_suite.harness.task import cached_group, cached_mesh, rank_device
 from fsdp_amp_suite.harness.torchrun import torchrun_world_size

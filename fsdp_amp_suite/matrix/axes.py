@@ -75,7 +75,8 @@ EXCLUDED = {  # pairs of values no cell has: {(axis, value), (axis, value)} -> w
     frozenset({("grads", "keeplow"), ("precision", "fp32")}): "fp32 grads are already full precision",
     frozenset({("grads", "keeplow"), ("optimizer", "adamw")}): "fused AdamW needs grads in its params' dtype",
     frozenset({("params", "flat"), ("groups", "decayfirst")}): "a flat param holds a unit's weights and biases in one",
-    frozenset({("params", "flat"), ("groups", "nodecayfirst")}): "a flat param holds a unit's weights and biases in one",
+    frozenset({("params", "flat"), ("groups", "nodecayfirst")}): "a flat param holds a unit's weights and biases "
+                                                                 "in one",
 }
 
 
@@ -191,7 +192,8 @@ def _later_pass(configs: list[dict], axis: str) -> list[dict]:
     return configs
 
 
-MESH_VARIED = tuple(a for a in FULL + PAIRWISE + (GROUPS,) if a not in ("impl", "world_size"))  # axes a mesh cell varies
+MESH_VARIED = tuple(a for a in FULL + PAIRWISE + (GROUPS,) if a not in ("impl", "world_size"))  # axes a mesh cell
+                                                                                                # varies
 
 
 def _mesh_options(impl: str, mesh: str, shape: tuple) -> list[dict]:

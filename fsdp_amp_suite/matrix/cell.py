@@ -286,7 +286,8 @@ def nonfinite(params) -> tuple[int, int, int]:
     for p in params:
         if p.grad is not None:
             g = _local(p.grad)
-            pos, neg, nan = pos + int((g == math.inf).sum()), neg + int((g == -math.inf).sum()), nan + int(g.isnan().sum())
+            pos, neg, nan = (pos + int((g == math.inf).sum()), neg + int((g == -math.inf).sum()),
+                             nan + int(g.isnan().sum()))
     return pos, neg, nan
 
 
@@ -358,7 +359,8 @@ def _record(log, loss, params, before, scaler):
 class CellRun:
     """What one rank reports of one cell: train_cell's return, read by the controller (test_matrix.py)."""
     unsupported: str | None = None  # the wrapper cannot build this configuration here (the cell skips: why)
-    log: dict = field(default_factory=dict)  # {"fsdp" | "ref": {"loss": [..], "stepped": [..], "scale": [..]}}, a step each
+    log: dict = field(default_factory=dict)  # {"fsdp" | "ref": {"loss": [..], "stepped": [..], "scale": [..]}}, a step
+                                             # each
     injected: dict = field(default_factory=dict)  # {step: where the inf went in this rank's shard}
     crashed: str | None = None  # the FSDP side stopped before the last step (its scaler could not resume): why
     grad_devices: list = field(default_factory=list)  # where the FSDP side's grads were after the last step

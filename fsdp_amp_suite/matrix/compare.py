@@ -38,13 +38,15 @@ def divergence(cell, out) -> str | None:
             f, d = r.log["fsdp"], r.log["ref"]
             where = f"step {step}{_event(step, cell, r)}, rank {rank}"
             if not _close(f["loss"][step], d["loss"][step], rtol, atol):
-                return f"FSDP and DDP diverged first at {where}: loss FSDP {f['loss'][step]!r} vs DDP {d['loss'][step]!r}"
+                return (f"FSDP and DDP diverged first at {where}: loss FSDP {f['loss'][step]!r} "
+                        f"vs DDP {d['loss'][step]!r}")
             if f["stepped"][step] != d["stepped"][step]:
                 word = {True: "stepped", False: "skipped"}
                 return (f"FSDP and DDP diverged first at {where}: decision FSDP {word[f['stepped'][step]]} vs DDP "
                         f"{word[d['stepped'][step]]}")
             if f["scale"][step] != d["scale"][step]:
-                return f"FSDP and DDP diverged first at {where}: scale after update() FSDP {f['scale'][step]!r} vs DDP {d['scale'][step]!r}"
+                return (f"FSDP and DDP diverged first at {where}: scale after update() FSDP {f['scale'][step]!r} "
+                        f"vs DDP {d['scale'][step]!r}")
     crashed = next((f"rank {rank}: {r.crashed}" for rank, r in enumerate(out) if r.crashed), None)
     if crashed:
         return crashed
@@ -59,7 +61,8 @@ def divergence(cell, out) -> str | None:
                     i = int(((a - b).abs().nan_to_num(math.inf) if a.shape == b.shape else torch.ones(1)).argmax())
                     return (f"FSDP and DDP diverged first at the end, rank {rank}: {label} {name!r} element {i}: FSDP "
                             f"{a.view(-1)[i].item()!r} vs DDP {b.view(-1)[i].item()!r}" if a.shape == b.shape else
-                            f"rank {rank}: {label} {name!r} has shape {tuple(a.shape)} under FSDP, {tuple(b.shape)} under DDP")
+                            f"rank {rank}: {label} {name!r} has shape {tuple(a.shape)} under FSDP, "
+                            f"{tuple(b.shape)} under DDP")
     return None
 
 
@@ -79,7 +82,8 @@ def _event(step, cell, r) -> str:
         inject = injections(cell)[step]
         grad = f"the {inject.grad} TP-{inject.tp} grad" if inject.tp else f"the {inject.grad} grad"
         here = r.injected.get(step)
-        return f" ({inject.value} injected into {grad} on the {inject.rank} rank" + (f": {here})" if here else ", not this one)")
+        return (f" ({inject.value} injected into {grad} on the {inject.rank} rank"
+                + (f": {here})" if here else ", not this one)"))
     if step > RESUME_AFTER:
         return f" (the FSDP side's scaler was resumed from its state_dict after step {RESUME_AFTER})"
     return ""

@@ -124,7 +124,8 @@ def _wrap_children(module, block_cls, wrap):
 
 def _fsdp1_needs(cell, n_gpus):
     if cell.offload == "offload" and n_gpus == 0:
-        return "FSDP1 CPUOffload needs an accelerator (pin_memory: 'Cannot access accelerator device when none is available')"
+        return ("FSDP1 CPUOffload needs an accelerator (pin_memory: 'Cannot access accelerator device when none is "
+                "available')")
     return None
 
 
@@ -161,7 +162,8 @@ def fsdp2_api():
 
 
 # FSDP2 on a machine without CUDA: torch < 2.7 touches CUDA in fully_shard's lazy init (first forward), so it
-# cannot run there. Measured with fsdp_amp_suite/matrix/probe_fsdp2_cpu.py (2 gloo ranks, offload on/off, fp32/fp16/bf16): 2.4.1
+# cannot run there. Measured with fsdp_amp_suite/matrix/probe_fsdp2_cpu.py (2 gloo ranks, offload on/off,
+# fp32/fp16/bf16): 2.4.1
 # creates a torch.cuda.Stream (CUDA wheel without a GPU: "CUDA driver version is insufficient for CUDA runtime
 # version"), 2.5.1 raises "FSDP requires CUDA for streams", 2.6.0 "'Stream' object has no attribute
 # 'record_event'" (the CPU stream's record_event/wait_event came in pytorch/pytorch#145935); 2.7.0 trains.
@@ -182,7 +184,8 @@ def _fsdp2_needs(cell, n_gpus):
     if cell.offload == "nooffload" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
         return (f"FSDP2 with CUDA params at world size {ws} needs NCCL with one GPU per rank: over gloo ranks sharing "
                 f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (seen on torch 2.11; "
-                f"assumed on torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until one runs it); {n_gpus} GPU(s) visible")
+                f"assumed on torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until one runs it); {n_gpus} GPU(s) "
+                "visible")
     if cell.mesh == "tp" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
         return (f"tensor parallelism on CUDA at world size {ws} needs NCCL with one GPU per rank: its activations are "
                 f"CUDA DTensors, and over gloo ranks sharing a GPU the functional collectives segfault (seen on torch "

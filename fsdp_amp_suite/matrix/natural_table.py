@@ -1,6 +1,7 @@
 """Print the step tables of the natural-overflow cells (axes.natural_cells): FSDP beside DDP at every step.
 
-    python -m fsdp_amp_suite.matrix.natural_table [--impl fsdp1|fsdp2|fairscale ...] [--scaler NAME] [--overflow climb|reduction]
+    python -m fsdp_amp_suite.matrix.natural_table [--impl fsdp1|fsdp2|fairscale ...] [--scaler NAME]
+    [--overflow climb|reduction]
 
 The same cells and the same table a failing matrix test prints, for reading a cycle of overflow, back-off and
 regrowth when nothing failed (docs/suites.md pastes them). Cells this machine cannot run are named and skipped.

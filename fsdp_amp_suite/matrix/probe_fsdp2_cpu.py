@@ -1,6 +1,7 @@
 """Does FSDP2 (fully_shard) train on CPU on this torch? Two gloo ranks, no GPU needed.
 
-    python -m fsdp_amp_suite.matrix.probe_fsdp2_cpu     # from the repo root: a line per configuration, then fsdp2_cpu=ok|broken
+    python -m fsdp_amp_suite.matrix.probe_fsdp2_cpu
+    # from the repo root: a line per configuration, then fsdp2_cpu=ok|broken
 
 Measures the floor behind FSDP2_CPU_TORCH in fsdp_amp_suite/matrix/implementations.py: every configuration the matrix
 and tests/conformance/test_fsdp2.py run on CPU (offload on/off, fp32/fp16/bf16, root/nested), three
@@ -27,7 +28,8 @@ def _train(offload, dtype, nested):
     from torch.distributed.device_mesh import init_device_mesh
 
     api = fsdp2_api()
-    fully_shard, CPUOffloadPolicy, MixedPrecisionPolicy = api.fully_shard, api.CPUOffloadPolicy, api.MixedPrecisionPolicy
+    fully_shard, CPUOffloadPolicy, MixedPrecisionPolicy = (api.fully_shard, api.CPUOffloadPolicy,
+                                                           api.MixedPrecisionPolicy)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     kw = dict(mesh=init_device_mesh("cpu", (dist.get_world_size(),)))

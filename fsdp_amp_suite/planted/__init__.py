@@ -1,6 +1,7 @@
 """Every planted defect of the suite, apart from the suites that must catch them.
 
-`scalers/`: mutant scalers, by the part of the contract each breaks (`--scaler fsdp_amp_suite.planted.scalers:<name>`); `wrappers.py`: broken FSDP wrappers
+`scalers/`: mutant scalers, by the part of the contract each breaks (`--scaler fsdp_amp_suite.planted.scalers:<name>`);
+`wrappers.py`: broken FSDP wrappers
 (`--fsdp fsdp_amp_suite.planted.wrappers:<name>`). Each is declared where it is written (`@mutant`, `@broken_wrapper`:
 registry.py); the tables the meta-tests read are derived here from those declarations.
 """

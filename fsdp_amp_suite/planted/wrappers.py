@@ -96,7 +96,8 @@ def _fsdp2_with_one_defect(wrapper):
     return implementations.declare(needs=fsdp2.needs, meshes=fsdp2.meshes)(wrapper)
 
 
-@broken_wrapper("fsdp2_one_unit_unreplicated", matrix="mesh")  # on a (replicate, shard) mesh; elsewhere FSDP2 as built in
+@broken_wrapper("fsdp2_one_unit_unreplicated", matrix="mesh")  # on a (replicate, shard) mesh;
+                                                               # elsewhere FSDP2 as built in
 @_fsdp2_with_one_defect
 def fsdp2_one_unit_unreplicated(module, settings):
     """FSDP2 whose first unit (the innermost block when nested, else the root) is sharded over the mesh's shard dim
@@ -110,7 +111,8 @@ def fsdp2_one_unit_unreplicated(module, settings):
     return implementations.shard_fsdp2(module, settings, unit_mesh)
 
 
-# the matrix's TP model (fsdp_amp_suite/matrix/cell.py TP_PLAN): its first Colwise/Rowwise pair, and the modules after it
+# the matrix's TP model (fsdp_amp_suite/matrix/cell.py TP_PLAN): its first Colwise/Rowwise pair,
+# and the modules after it
 FIRST_PAIR = {"0.lin": "colwise", "1.lin": "rowwise"}
 SPLIT_FROM, SPLIT_TO = "1.inner", "2"
 

@@ -101,7 +101,8 @@ def cases(name: str) -> list:
     """The @case functions of one repro file, in file order; ValueError naming NAME where there is none."""
     stem = name.removesuffix(".py").rsplit("/", 1)[-1].removeprefix("test_")
     if stem not in names():
-        raise ValueError(f"{name!r}: no repro file tests/repro/test_{stem}.py (python -m fsdp_amp_suite.repro lists them)")
+        raise ValueError(f"{name!r}: no repro file tests/repro/test_{stem}.py (python -m fsdp_amp_suite.repro lists "
+                         "them)")
     module = paths.load_file(paths.REPRO_DIR / f"test_{stem}.py", f"_repro_test_{stem}")
     return [fn for fn in vars(module).values() if callable(fn) and hasattr(fn, "repro")]
 

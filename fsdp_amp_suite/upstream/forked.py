@@ -1,4 +1,5 @@
-"""`python FILE ARGS` without the interpreter's start: a fork of the harness's fork server (fsdp_amp_suite/harness/pool.py,
+"""`python FILE ARGS` without the interpreter's start: a fork of the harness's fork server
+(fsdp_amp_suite/harness/pool.py,
 torch already imported) runs FILE as `__main__`, as `python FILE` would, and the caller gets the same
 subprocess.CompletedProcess. A fresh interpreter spends seconds importing torch before the file's first line; on a
 gVisor GPU host that is most of a standalone file's run.

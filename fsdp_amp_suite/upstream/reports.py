@@ -1,6 +1,7 @@
 """Upstream reports of the known bugs, from their KNOWN_BUGS entries, standalone files and recorded runs.
 
-    python -m fsdp_amp_suite.upstream.reports ID                  print the report of one entry (docs/upstream/ID.md's text)
+    python -m fsdp_amp_suite.upstream.reports ID                  print the report of one entry
+                                                                  (docs/upstream/ID.md's text)
     python -m fsdp_amp_suite.upstream.reports --write docs/upstream   write the report of every entry that gets one
     python -m fsdp_amp_suite.upstream.reports --check docs/upstream   exit 1 naming each report that is not current
     python -m fsdp_amp_suite.upstream.reports --record RUNS.json --merge DIR   add the runs a main job recorded into DIR
@@ -160,18 +161,23 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
     seen = sorted({(r["torch"], r["fairscale"], r["device"]) for r in mine if r["mode"] == PLAIN and r["status"] == 1})
     also = [b.id for b in standalone_files()[stem][1:]]
     lines = [f"# {d.title}", "",
-             f"`KNOWN_BUGS` id `{bug.id}`" + (f" (the same defect: {', '.join(f'`{a}`' for a in also)})" if also else "")
+             f"`KNOWN_BUGS` id `{bug.id}`"
+             + (f" (the same defect: {', '.join(f'`{a}`' for a in also)})" if also else "")
              + f"; write-up: [docs/bugs.md](../bugs.md#{bug.id}).", "", d.body, "",
              "## Versions", ""]
     if seen:
-        lines += [f"- seen on torch {t}" + (f", fairscale {f}" if f != "-" and "fairscale" in bug.fairscale + stem else "")
+        lines += [f"- seen on torch {t}"
+                  + (f", fairscale {f}" if f != "-" and "fairscale" in bug.fairscale + stem else "")
                   + f", {'CPU' if dev == 'cpu' else dev.replace('_', ' ')}" for t, f, dev in seen]
     else:
         lines.append("- not yet recorded" + (" on a GPU (the GPU gate records it: `ci/gpu.sh` writes the runs, "
-                     "`python -m fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json --merge OUT/standalone-runs`)"
-                     if bug.needs == "cuda" else ": `python -m fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json`"))
+                     "`python -m fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json "
+                     "--merge OUT/standalone-runs`)"
+                     if bug.needs == "cuda" else
+                     ": `python -m fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json`"))
     lines += ["- KNOWN_BUGS claims it on " + (f"torch `{bug.torch}`" if bug.torch else
-                                               "every supported torch (its code is unchanged in the 2.4.1 .. 2.15.0 sources)")
+                                               "every supported torch (its code is unchanged in the 2.4.1 .. 2.15.0 "
+                                               "sources)")
               + (f", fairscale `{bug.fairscale}`" if bug.fairscale else ""), "",
               "## Reproduce", "", f"`{STANDALONE_DIR}/{stem}.py`, with nothing but torch"
               + (" and fairscale" if "fairscale" in stem else "") + " installed:", "", "```python",
@@ -187,7 +193,8 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
               + (f" Shown by `python {stem}.py {bug.reach.run}`." if bug.reach.run else ""), "",
               "## Root cause", "", _sentence(d.sections["Root cause"]), "",
               "## Proposed fix", "", _sentence(d.sections["Fix"]) + ("" if "--with-fix" in d.sections["Fix"] else
-                                                         f" `python {stem}.py --with-fix` applies it by monkeypatching."),
+                                                         f" `python {stem}.py --with-fix` applies it by "
+                                                         "monkeypatching."),
               "", "## Related", "", d.sections["Related"], ""]
     return "\n".join(lines)
 
@@ -207,7 +214,8 @@ def check(directory: Path, runs: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_amp_suite.upstream.reports", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fsdp_amp_suite.upstream.reports",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("id", nargs="?", help="a KNOWN_BUGS id: print its report")
     parser.add_argument("--write", metavar="DIR", type=Path)
     parser.add_argument("--check", metavar="DIR", type=Path)
@@ -216,7 +224,8 @@ def main(argv=None) -> int:
                         help="--record: an interpreter to run the files with (repeatable; default: this one)")
     parser.add_argument("--only", action="append", default=[], metavar="STEM", help="--record: these files only")
     parser.add_argument("--merge", metavar="DIR", type=Path,
-                        help="with --record RUNS: add the records a main job wrote into DIR (FSDP_AMP_STANDALONE_RECORD)")
+                        help="with --record RUNS: add the records a main job wrote into DIR "
+                             "(FSDP_AMP_STANDALONE_RECORD)")
     args = parser.parse_args(argv)
     if args.record:
         if args.merge:

@@ -1,4 +1,5 @@
-"""One run of a standalone repro (fsdp_amp_suite/repro/standalone/<id>.py) as a maintainer runs it, and what it showed: the
+"""One run of a standalone repro (fsdp_amp_suite/repro/standalone/<id>.py) as a maintainer runs it, and what it showed:
+the
 file's modes, `python FILE [--MODE]` from an empty directory with nothing of this repository on its path
 (forked with torch imported, forked.py), and its verdict. test_standalone.py runs every file against KNOWN_BUGS;
 reports.py records the runs for the upstream reports; benchmarks/standalone.py times them.

@@ -81,7 +81,8 @@ def _disabled(spec, placement):
     s.update()
     return dict(same_object=same_object, enabled=s.is_enabled(), scale=s.get_scale(), state=s.state_dict(),
                 unchanged_by_unscale=equal_lists(raw, after_unscale),
-                stepped_on_inf=bool(torch.isnan(pb.params[0].detach()).any() or torch.isinf(pb.params[0].detach()).any()))
+                stepped_on_inf=bool(torch.isnan(pb.params[0].detach()).any()
+                                    or torch.isinf(pb.params[0].detach()).any()))
 
 
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS)

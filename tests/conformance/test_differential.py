@@ -3,7 +3,8 @@
 Hypothesis draws the settings (enabled or not) and a list of calls, each public method with an argument form
 torch's signature and docs allow: scale() of a tensor (0-dim or not, fp32 / fp16 / bf16, with autograd or
 not), of a list, a tuple, a nested structure, or any other iterable; step() with and without a closure;
-update() with None, a float or a 0-dim tensor (a shape-[1] one is test_update_with_new_scale's); state_dict(), load_state_dict() of a drawn checkpoint or of
+update() with None, a float or a 0-dim tensor (a shape-[1] one is test_update_with_new_scale's); state_dict(),
+load_state_dict() of a drawn checkpoint or of
 an empty one; the getters and setters; and between them a backward that writes finite, inf or NaN grads.
 Both scalers run the same calls on equal params in one process (a rank of the pool, CPU, fp32 grads and plain
 SGD, where no KNOWN_BUGS entry of torch.amp.GradScaler applies). After every call everything a caller can
@@ -139,7 +140,8 @@ class _World:
     def facts(self):
         s = self.scaler
         return dict(scale=_fact(s.get_scale), tracker=_fact(s._get_growth_tracker), enabled=_fact(s.is_enabled),
-                    settings=tuple(_fact(f) for f in (s.get_growth_factor, s.get_backoff_factor, s.get_growth_interval)),
+                    settings=tuple(_fact(f)
+                                   for f in (s.get_growth_factor, s.get_backoff_factor, s.get_growth_interval)),
                     params=[repr(p.detach().tolist()) for p in self.params],
                     grads=[None if p.grad is None else repr(p.grad.tolist()) for p in self.params],
                     handed_state_dicts_unchanged=[_observe(sd) == then for sd, then in self.handed])

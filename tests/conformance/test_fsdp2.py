@@ -15,7 +15,8 @@ from fsdp_amp_suite.matrix.implementations import FSDP2_CPU_REASON, FSDP2_CPU_TO
 from fsdp_amp_suite.versions import holds
 
 pytestmark = [pytest.mark.conformance,
-              pytest.mark.skipif(not torch.cuda.is_available() and holds(torch=FSDP2_CPU_TORCH), reason=FSDP2_CPU_REASON),
+              pytest.mark.skipif(not torch.cuda.is_available() and holds(torch=FSDP2_CPU_TORCH),
+                                 reason=FSDP2_CPU_REASON),
               pytest.mark.report_column("FSDP2")]
 
 

@@ -20,7 +20,8 @@ import math
 import pytest
 import torch
 
-from fsdp_amp_suite.conformance.problem import (INF_VALUES, Problem, build_scaler, deterministic_fill, device_of, equal_lists,
+from fsdp_amp_suite.conformance.problem import (INF_VALUES, Problem, build_scaler, deterministic_fill, device_of,
+                                                equal_lists,
                                        placement_params, run_at)
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("fused optimizers")]
@@ -47,7 +48,8 @@ def unavailable(exc: Exception) -> bool:
     """torch has no such fused kernel on this device: NotImplementedError, or the RuntimeError torch raises for a
     device it lists as unsupported (fused Adagrad on CUDA: "`fused=True` requires all the params to be floating
     point Tensors of supported devices", seen on torch 2.11; it is a plain RuntimeError, so its text tells it)."""
-    return isinstance(exc, NotImplementedError) or (isinstance(exc, RuntimeError) and "`fused=True` requires" in str(exc))
+    return isinstance(exc, NotImplementedError) or (isinstance(exc, RuntimeError)
+                                                    and "`fused=True` requires" in str(exc))
 
 
 def snapshot(params, opt) -> list:

@@ -11,7 +11,8 @@ import torch
 
 from fsdp_amp_suite.conformance import checkpoints
 from fsdp_amp_suite.conformance.checkpoints import PATTERN, SETTINGS, SPLIT
-from fsdp_amp_suite.conformance.problem import (Problem, ScalerModel, build_scaler, equal_lists, placement_params, reference_scales, run_at,
+from fsdp_amp_suite.conformance.problem import (Problem, ScalerModel, build_scaler, equal_lists, placement_params,
+                                                reference_scales, run_at,
                                        run_steps, sgd)
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]
@@ -113,7 +114,8 @@ def test_state_dict_round_trip_resumes_identically(scaler, placement):
     saved = out["saved"]
     assert {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} <= set(saved)
     assert float(saved["scale"]) == 32.0 and int(saved["_growth_tracker"]) == 2
-    assert (float(saved["growth_factor"]), float(saved["backoff_factor"]), int(saved["growth_interval"])) == (2.0, 0.5, 3)
+    assert (float(saved["growth_factor"]), float(saved["backoff_factor"]),
+            int(saved["growth_interval"])) == (2.0, 0.5, 3)
     assert out["resumed"] == out["uninterrupted"] == reference_scales(64.0, 2.0, 0.5, 3, pattern)
     assert equal_lists(out["resumed_params"], out["whole_params"])
 

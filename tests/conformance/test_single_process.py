@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from fsdp_amp_suite.conformance.problem import (DTYPES, INF_VALUES, Problem, build_scaler, equal_lists, placement_params,
+from fsdp_amp_suite.conformance.problem import (DTYPES, INF_VALUES, Problem, build_scaler, equal_lists,
+                                                placement_params,
                                        reference_sgd_run, run_at, sgd)
 
 pytestmark = [pytest.mark.conformance, pytest.mark.report_column("single rank")]

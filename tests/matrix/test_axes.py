@@ -44,7 +44,8 @@ def test_mesh_cells_are_added_and_only_where_the_implementation_has_the_mesh():
     meshes it has (fairscale: none; FSDP1: hsdp; FSDP2: hsdp and tp), and only those."""
     cells = axes.cells()
     assert [c for c in cells if c.mesh == "1d"] == axes.flat_cells()
-    assert {(c.impl, c.mesh) for c in cells if c.mesh != "1d"} == {("fsdp1", "hsdp"), ("fsdp2", "hsdp"), ("fsdp2", "tp")}
+    assert {(c.impl, c.mesh) for c in cells if c.mesh != "1d"} == {("fsdp1", "hsdp"), ("fsdp2", "hsdp"),
+                                                                   ("fsdp2", "tp")}
 
 
 def test_invalid_combinations_are_not_generated():
@@ -60,7 +61,8 @@ def test_ids_are_unique_and_read_like_the_config():
     c = axes.Cell("fsdp1", "offload", "fp16", "nested", 2, "orig", "reshard", "sgd", "keeplow", "clip")
     assert c.id == "fsdp1-offload-fp16-nested-ws2-orig-reshard-sgd-keeplow-clip"
     # the model, groups and mesh axes name only their other values: ids from before the axes stay valid
-    assert axes.Cell(*vars(c).values()).model == "small" and axes.Cell(**{**vars(c), "model": "wide"}).id == c.id + "-wide"
+    assert (axes.Cell(*vars(c).values()).model == "small"
+            and axes.Cell(**{**vars(c), "model": "wide"}).id == c.id + "-wide")
     assert axes.Cell(**{**vars(c), "groups": "nodecayfirst", "mesh": "hsdp"}).id == c.id + "-nodecayfirst-hsdp"
     assert axes.Cell(**{**vars(c), "mesh": "tp", "shape": (4, 2)}).id == c.id + "-tp-4x2"
 
@@ -107,7 +109,8 @@ def test_an_implementation_is_one_record_a_plugged_factory_can_declare_too():
     assert implementations.record(declared).loss_on_param_device
     plain_record = implementations.record(plain)
     assert plain_record.needs(cell, 0) is None and not plain_record.loss_on_param_device
-    assert implementations.record("fairscale").loss_on_param_device and not implementations.record("fsdp1").loss_on_param_device
+    assert (implementations.record("fairscale").loss_on_param_device
+            and not implementations.record("fsdp1").loss_on_param_device)
     offload = next(c for c in axes.cells(["fsdp1"]) if c.offload == "offload")
     assert "FSDP1 CPUOffload needs an accelerator" in axes.skip_reason(offload, n_gpus=0)
     # meshes: a factory that declares none builds only 1d cells; the others skip, naming the declaration

@@ -68,10 +68,13 @@ def test_rows_are_data_and_render_is_markdown():
     assert r.repro == ("tests/repro/test_a.py", "tests/repro/test_b.py")  # its own case first
     line = bugtable.render([r]).splitlines()[2]
     assert line.startswith(f"| [`{bug.id}`](docs/bugs.md#{bug.id}) | {bug.title} | {bugtable.EVERY_SCALER} |")
-    assert f"| {bug.reach.kind} | [`{bug.standalone_file}.py`](fsdp_amp_suite/repro/standalone/{bug.standalone_file}.py)" in line
-    row = bugtable.Row("x", "a | b", ("ours",), "<2.6", "", (), "reachable", "fsdp_amp_suite/repro/standalone/x.py", "docs/upstream/x.md")
+    assert (f"| {bug.reach.kind} | [`{bug.standalone_file}.py`]"
+            f"(fsdp_amp_suite/repro/standalone/{bug.standalone_file}.py)" in line)
+    row = bugtable.Row("x", "a | b", ("ours",), "<2.6", "", (), "reachable",
+                       "fsdp_amp_suite/repro/standalone/x.py", "docs/upstream/x.md")
     assert bugtable.render([row]).splitlines()[2] == (
-        "| [`x`](docs/bugs.md#x) | a \\| b | `ours` | `<2.6` | any | reachable | [`x.py`](fsdp_amp_suite/repro/standalone/x.py), "
+        "| [`x`](docs/bugs.md#x) | a \\| b | `ours` | `<2.6` | any | reachable | "
+        "[`x.py`](fsdp_amp_suite/repro/standalone/x.py), "
         "[report](docs/upstream/x.md) | conformance / matrix |")
 
 
@@ -110,7 +113,8 @@ def test_a_missing_or_stray_section_is_named():
     assert section_problems(broken, [b.id for b in KNOWN_BUGS]) == [
         f"KNOWN_BUGS {first!r} has no '## {first}' section in docs/bugs.md",
         "docs/bugs.md section '## no-such-bug' names no KNOWN_BUGS entry"]
-    swapped = doc.replace(f"## {first}\n", "## @\n").replace(f"## {second}\n", f"## {first}\n").replace("## @\n", f"## {second}\n")
+    swapped = (doc.replace(f"## {first}\n", "## @\n").replace(f"## {second}\n", f"## {first}\n")
+               .replace("## @\n", f"## {second}\n"))
     assert "not in KNOWN_BUGS order" in section_problems(swapped, [b.id for b in KNOWN_BUGS])[0]
 
 

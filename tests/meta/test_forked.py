@@ -1,4 +1,5 @@
-"""fsdp_amp_suite/upstream/forked.py runs a file as `python FILE` would: a probe file prints what a script can see of its
+"""fsdp_amp_suite/upstream/forked.py runs a file as `python FILE` would: a probe file prints what a script can see of
+its
 interpreter, and a forked run must print what a fresh run prints, exit as it exits, and leave no process behind
 when it hangs past its timeout."""
 import os

@@ -193,7 +193,7 @@ def test_world_size_one_and_three_get_their_own_pools(harness):
 
 def test_each_task_starts_from_clean_global_state(harness):
     harness.run(_dirty_global_state, world_size=2)
-    for grad_enabled, dtype, r in harness.run(_observe_global_state, world_size=2):
+    for grad_enabled, dtype, _rank in harness.run(_observe_global_state, world_size=2):
         assert grad_enabled and dtype == torch.float32
     # seeds are reset per task: two tasks draw the same "random" numbers
     again = harness.run(_observe_global_state, world_size=2)
@@ -469,7 +469,8 @@ def test_blocking_copies_make_every_non_blocking_copy_blocking_here_and_in_the_r
 # ---------------------------------------------------------------- process groups live as long as their ranks
 
 # Scripts that start processes of their own (no pool rank runs them), and the harness that keeps the groups.
-OWN_PROCESSES = ("fsdp_amp_suite/harness/", "tests/meta/", "fsdp_amp_suite/repro/standalone/", "fsdp_amp_suite/matrix/probe_fsdp2_cpu.py",
+OWN_PROCESSES = ("fsdp_amp_suite/harness/", "tests/meta/", "fsdp_amp_suite/repro/standalone/",
+                 "fsdp_amp_suite/matrix/probe_fsdp2_cpu.py",
                  "fsdp_amp_suite/conformance/checkpoints/__main__.py")
 GROUP_MAKERS = {"new_group", "destroy_process_group", "init_device_mesh", "DeviceMesh"}
 

@@ -298,7 +298,8 @@ def _early_reads(trials: int) -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (one GPU): the async-copy race lives there")
 def test_blocking_copies_close_the_async_copy_race_window(harness):
-    """The race-free runs (fsdp_amp_suite/expectations.py rule 2) really close the window: read early without, never with."""
+    """The race-free runs (fsdp_amp_suite/expectations.py rule 2) really close the window: read early without, never
+    with."""
     trials = 5
     assert harness.run(_early_reads, trials, world_size=1, device="cuda")[0] > 0, \
         "no early read without blocking copies: this check cannot tell the window closed"

@@ -73,7 +73,8 @@ def test_a_scaler_named_by_its_file_resolves_and_a_shadowed_tests_package_is_exp
     scaler = make_scaler("tests/my_scaler.py:make", device="cpu")
     assert type(scaler).__name__ == "DeviceSplitGradScaler"
     with pytest.raises(ValueError, match=r"--scaler 'tests.my_scaler:make': cannot import module 'tests.my_scaler'.*"
-                                         r"the suite's own package is named 'tests'.*--scaler path/to/tests/my_scaler.py"):
+                                         r"the suite's own package is named 'tests'.*"
+                                         r"--scaler path/to/tests/my_scaler.py"):
         make_scaler("tests.my_scaler:make", device="cpu")
     with pytest.raises(ValueError, match=r"--scaler 'nothere.py:make': no file '.*nothere.py'"):
         make_scaler("nothere.py:make", device="cpu")
@@ -121,7 +122,8 @@ STALE = "tests/conformance/test_single_process.py::test_no_such_check"
 
 
 def _options(where, space: bool, xfails: bool = True) -> list:
-    pairs = [("--scaler", "ours"), ("--fsdp", "fsdp2"), ("--report", where / "r.md"), ("--report-json", where / "r.json")]
+    pairs = [("--scaler", "ours"), ("--fsdp", "fsdp2"), ("--report", where / "r.md"),
+             ("--report-json", where / "r.json")]
     pairs += [("--xfails-file", where / "x.txt")] if xfails else []
     return [a for k, v in pairs for a in ((k, str(v)) if space else (f"{k}={v}",))]
 

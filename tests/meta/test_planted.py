@@ -1,6 +1,7 @@
 """The registry of planted defects (fsdp_amp_suite/planted): every planted defect has a job and a name of its own, and
 that name is the factory the suite's own resolution finds (`--scaler fsdp_amp_suite.planted.scalers:<name>`,
-`--fsdp fsdp_amp_suite.planted.wrappers:<name>`): a factory the module forgot to bind, or bound to another class, is named.
+`--fsdp fsdp_amp_suite.planted.wrappers:<name>`): a factory the module forgot to bind, or bound to another class, is
+named.
 """
 import pytest
 
@@ -47,7 +48,8 @@ def test_a_jobless_repeated_or_unbound_defect_is_named():
     found = "\n".join(problems(mutants, wrappers))
     assert f"{ok.name!r}: registered 2 times" in found, found
     assert "'jobless': no job" in found, found
-    assert "'jobless': --scaler 'fsdp_amp_suite.planted.scalers.checking:jobless'" in found, found  # no such name in the module
+    assert "'jobless': --scaler 'fsdp_amp_suite.planted.scalers.checking:jobless'" in found, found  # no such name in
+                                                                                                    # the module
     assert "'misses_nan': --scaler fsdp_amp_suite.planted.scalers.checking:misses_nan resolves to" in found, found
     assert "'never_bound': --fsdp 'fsdp_amp_suite.planted.wrappers:never_bound'" in found, found
     assert len(found.splitlines()) == 5, found

@@ -102,7 +102,8 @@ def test_a_failure_in_a_file_without_a_family_makes_the_headline_unexpected(pyte
     pytester.makepyfile(test_zz_new=NEW_FILE, test_zz_declared=DECLARED)
     pytester.makeini("[pytest]\n")
     monkeypatch.setenv("PYTHONPATH", ROOT)  # the child imports the report plugin from this checkout
-    result = pytester.runpytest_subprocess("-p", "fsdp_amp_suite.options", "-p", "fsdp_amp_suite.report", "-p", "no:cacheprovider", "-p", "no:xdist",
+    result = pytester.runpytest_subprocess("-p", "fsdp_amp_suite.options", "-p", "fsdp_amp_suite.report",
+                                           "-p", "no:cacheprovider", "-p", "no:xdist",
                                            "--report", "r.md")
     result.assert_outcomes(passed=2, failed=1)
     text = (pytester.path / "r.md").read_text()

@@ -2,9 +2,11 @@
 silently drop a known bug's xfail, a mutant's expectation or a report column.
 
 Checked against what the main job collects (the suite's testpaths with the built-in scalers and FSDP
-implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS (fsdp_amp_suite/known_bugs.py; an entry matches a check by its test names and
+implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS
+(fsdp_amp_suite/known_bugs.py; an entry matches a check by its test names and
 param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
-EXPECTED tests (fsdp_amp_suite/planted) and the report's COLUMNS (fsdp_amp_suite/report.py; each a module's report_column mark).
+EXPECTED tests (fsdp_amp_suite/planted) and the report's COLUMNS (fsdp_amp_suite/report.py; each a module's
+report_column mark).
 """
 import itertools
 import os
@@ -28,7 +30,8 @@ def unmatched(collected) -> list[str]:
                       for name, params, _ in collected for cuda in (False, True))]
     out += [f"mutants EXPECTED {mutant!r}: no collected test is named {test!r}"
             for mutant, tests in EXPECTED.items() for test in tests if test not in names]
-    out += [f"report COLUMNS {column!r}: no collected test counts in it (its module's report_column mark, or tests/repro)"
+    out += [f"report COLUMNS {column!r}: no collected test counts in it (its module's report_column mark, or "
+            "tests/repro)"
             for column in report.COLUMNS if column not in columns]
     return out
 
@@ -92,7 +95,8 @@ def test_a_stale_entry_is_named():
     collected = [("test_renamed", {"scaler": "ours"}, "single rank")]
     stale = unmatched(collected)
     assert any("KNOWN_BUGS 'torch-amp-refuses-fp16-grads'" in line for line in stale), stale
-    assert any("'no_agreement': no collected test is named 'test_ranks_keep_scale_in_lockstep'" in line for line in stale)
+    assert any("'no_agreement': no collected test is named "
+               "'test_ranks_keep_scale_in_lockstep'" in line for line in stale)
     assert any("COLUMNS 'across ranks'" in line for line in stale) and len(stale) > 20
 
 
@@ -103,8 +107,10 @@ def test_a_reworded_reason_keeps_its_repro_and_an_unknown_id_fails_loudly():
 
     bug = known_bugs.bug_by_id("fairscale-state-dict-after-backoff")
     reworded = type(bug)(**{**bug.__dict__, "reason": "entirely new words"})
-    table = [reworded if b is bug else b for b in known_bugs.KNOWN_BUGS]  # a table of its own: the real one is untouched
-    assert known_bugs.repro_bug("fairscale_sharded", [bug.id], any_version=True, bugs=table).reason == "entirely new words"
+    table = [reworded if b is bug else b for b in known_bugs.KNOWN_BUGS]  # a table of its own: the real one is
+                                                                          # untouched
+    assert (known_bugs.repro_bug("fairscale_sharded", [bug.id], any_version=True, bugs=table).reason
+            == "entirely new words")
     assert known_bugs.repro_bug("ours", [bug.id], any_version=True, bugs=table) is None  # names fairscale's scaler only
     with pytest.raises(ValueError, match="repro_of\\('no-such-bug'\\): no KNOWN_BUGS entry has that id"):
         known_bugs.repro_bug("ours", ["no-such-bug"])

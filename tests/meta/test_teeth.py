@@ -24,7 +24,8 @@ MUTANTS = planted.matrix_mutants("small")  # the defects the matrix's schedule (
 WIDE_MUTANTS = planted.matrix_mutants("wide")  # wide cells only: the small model has 8 grads of <= 143 elements
 WRAPPERS = "fsdp_amp_suite.matrix.implementations"  # the built-ins, plugged as a user's wrapper would be
 BROKEN = planted.broken_wrappers("small")  # fsdp_amp_suite/planted/wrappers.py
-MESH_SLICE = "fsdp2 and (hsdp or tp) and fp32 and sgd and ws4"  # ids name a mesh only off 1d; a plugged fsdp2 spec matches too
+MESH_SLICE = "fsdp2 and (hsdp or tp) and fp32 and sgd and ws4"  # ids name a mesh only off 1d; a plugged fsdp2 spec
+                                                                # matches too
 MESH_MUTANTS = planted.matrix_mutants("mesh")
 MESH_BROKEN = planted.broken_wrappers("mesh")
 

@@ -48,8 +48,10 @@ def test_the_checked_torch_versions_are_one_list_that_the_docs_checkpoints_and_n
     assert pin in checked, f"requirements.txt pins torch {pin}, which checked-torch {checked} does not name"
     assert f"torch {', '.join(checked)}**" in (root / "docs" / "versions.md").read_text()
     assert f"{checked[0]} .. {checked[-1]}" in (root / "docs" / "bugs.md").read_text()
-    saved = {p.stem.rsplit("-torch-", 1)[1] for p in (root / "fsdp_amp_suite/conformance/checkpoints").glob("*-torch-*.pt")}
+    saved = {p.stem.rsplit("-torch-", 1)[1]
+             for p in (root / "fsdp_amp_suite/conformance/checkpoints").glob("*-torch-*.pt")}
     assert saved == set(checked), f"checkpoints saved by torch {sorted(saved)}; checked-torch is {checked}"
     nox = (root / "noxfile.py").read_text()
     assert "checked-torch" in nox and not re.search(r"TORCH_VERSIONS = \[", nox)
-    assert tomllib.loads((root / "pyproject.toml").read_text())["tool"]["fsdp-amp-suite"]["checked-torch"] == list(checked)
+    assert (tomllib.loads((root / "pyproject.toml").read_text())["tool"]["fsdp-amp-suite"]["checked-torch"]
+            == list(checked))

@@ -1,5 +1,6 @@
 """The known bug x torch version table (python -m fsdp_amp_suite.version_table) on the --report-json files the
-report really writes: tiny child pytest runs (-p fsdp_amp_suite.options -p fsdp_amp_suite.report), one per "torch version".
+report really writes: tiny child pytest runs (-p fsdp_amp_suite.options -p fsdp_amp_suite.report),
+one per "torch version".
 
 One install runs one torch, so each child's conftest stands in for what differs between versions: the torch
 version the report names, its known-bug table (which bugs are in force), and the known bugs its checks xfail
@@ -113,7 +114,8 @@ def runs(tmp_path_factory):
                                          ("red", "xpass", "2.13.0+cpu", [])]:
         out = dirs[where] / f"torch-{torch.split('+')[0]}.json"
         env = dict(clean_env(), PYTHONPATH=ROOT, TABLE_SESSION=session, TABLE_TORCH=torch)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "fsdp_amp_suite.options", "-p", "fsdp_amp_suite.report",
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "fsdp_amp_suite.options",
+                               "-p", "fsdp_amp_suite.report",
                                "-p", "no:cacheprovider", "-p", "no:xdist", f"--report-json={out}", *extra],
                               cwd=child, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == (1 if session == "xpass" else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -179,7 +181,8 @@ def test_an_xfails_file_entry_that_matched_nothing_is_named(runs):
 
 
 def test_the_cli_reads_the_directory_prints_and_writes_markdown_without_pytest_or_torch(runs, tmp_path):
-    """python -m fsdp_amp_suite.version_table as the table job runs it (nox -s table: an interpreter with nox and packaging
+    """python -m fsdp_amp_suite.version_table as the table job runs it (nox -s table: an interpreter with nox and
+    packaging
     alone)."""
     md = tmp_path / "table.md"
     no_pytest = ("import runpy, sys; sys.modules.update(pytest=None, torch=None); sys.argv = sys.argv[1:]; "

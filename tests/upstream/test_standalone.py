@@ -1,6 +1,8 @@
-"""Every standalone repro (fsdp_amp_suite/repro/standalone/<id>.py, docs/upstream/README.md) run as a maintainer runs it:
+"""Every standalone repro (fsdp_amp_suite/repro/standalone/<id>.py, docs/upstream/README.md) run as a maintainer runs
+it:
 `python FILE` on this torch, with nothing of this repository on its path (forked with torch imported,
-fsdp_amp_suite/upstream/forked.py; `python -m fsdp_amp_suite.upstream.reports --record` starts each run fresh). Where an entry it
+fsdp_amp_suite/upstream/forked.py; `python -m fsdp_amp_suite.upstream.reports --record` starts each run fresh). Where an
+entry it
 shows is in force, the run is a strict xfail that only the file's own "bug is there" (exit 1 after its two lines)
 satisfies; where none is, it must exit 0. So a file that stops reproducing fails the suite, as a strict xfail
 that passes does. Each file runs plain, in each real-training mode of its entries (Reach.run), and with its

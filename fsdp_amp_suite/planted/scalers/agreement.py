@@ -130,7 +130,8 @@ class TrustsDTensorAgreement(DeviceSplitGradScaler):
         return super()._agree(found)
 
 
-@mutant("agrees_along_one_mesh_dim", caught_by=[MESH, MESH_SEQUENCES], matrix="mesh")  # the inf on the last rank: ranks 0, 1 step
+@mutant("agrees_along_one_mesh_dim", caught_by=[MESH, MESH_SEQUENCES], matrix="mesh")  # the inf on the last rank:
+                                                                                       # ranks 0, 1 step
 class AgreesAlongOneMeshDim(DeviceSplitGradScaler):
     """At world size 4 with no process group given, agrees on found_inf along the last dim of the 2x2 mesh only
     (HSDP's shard dim, or tp): over its own half of the world, as a scaler handed one mesh dim's group instead of

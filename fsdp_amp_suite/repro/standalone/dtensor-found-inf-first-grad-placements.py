@@ -26,7 +26,14 @@ Related: pytorch PR #132816 "Gradient scaler for DTensor" (where the handler cam
 test test_fully_shard_grad_scaler.py injects the inf only into params[0], a TP-sharded param); #120003
 (DTensor-based sharded grad scaler design); #98860 (Sharded Grad Scaler tracker).
 """
-import argparse, datetime, json, math, os, sys, tempfile, warnings
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -124,7 +131,8 @@ def _rank(rank, world, store_path, out, real_overflow):
         result = {"tp": tp_real_overflow(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), rank)}
     else:
         result = {"tp": tp_replicated_first(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), rank),
-                  "hsdp": hsdp_one_replica(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), rank)}
+                  "hsdp": hsdp_one_replica(init_device_mesh("cpu", (2, 2),
+                                                            mesh_dim_names=("replicate", "shard")), rank)}
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -148,7 +156,8 @@ def main() -> int:
     if args.with_fix:
         apply_fix()
     results = run_ranks(4, args.real_overflow)
-    labels = {"tp": "TP-replicated param first, inf on tp rank 1" + (" (real fp16 overflow)" if args.real_overflow else ""),
+    labels = {"tp": "TP-replicated param first, inf on tp rank 1" + (" (real fp16 overflow)"
+                                                                     if args.real_overflow else ""),
               "hsdp": "HSDP, inf in replica 1 only"}
     bug = False
     for key, label in labels.items():

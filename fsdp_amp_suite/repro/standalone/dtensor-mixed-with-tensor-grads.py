@@ -26,7 +26,13 @@ a param list (seen on torch 2.13 CPU with foreach=True and 2.11 CUDA), so the re
 Related: pytorch #153354 (FSDP2 "got mixed torch.Tensor and DTensor", same error in backward); torchtune
 PR #2687 (disables foreach grad scaling under TP); pytorch_geometric PR #10317; Cornstarch PR #87.
 """
-import argparse, datetime, json, os, sys, tempfile, warnings
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import warnings
 from collections import defaultdict
 
 import torch

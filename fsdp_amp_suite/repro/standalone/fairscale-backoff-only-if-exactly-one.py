@@ -73,7 +73,8 @@ def two_optimizers(real_overflow):
         scaler.step(opt)
     scaler.update()  # found_inf summed over the two optimizers: 2.0
     stepped = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-    return "two optimizers" + (", fp16 autocast overflow" if real_overflow else ", an inf in each"), stepped, init, scaler.get_scale()
+    return ("two optimizers" + (", fp16 autocast overflow" if real_overflow else ", an inf in each"),
+            stepped, init, scaler.get_scale())
 
 
 def two_devices():
@@ -110,7 +111,8 @@ def main() -> int:
     bug = False
     for what, stepped, init, scale in cases:
         print(f"observed: {what}, scale on CPU, growth_interval 1: stepped {stepped}, scale {init} -> {scale}")
-        print(f"expected: the steps are skipped and the scale backs off once: stepped False, scale {init} -> {init / 2}")
+        print(f"expected: the steps are skipped and the scale backs off once: stepped False, scale {init} "
+              f"-> {init / 2}")
         bug |= stepped or scale != init / 2
     return 1 if bug else 0
 

@@ -24,7 +24,14 @@ ShardedGradScaler.unscale_ with that write-back.
 Related: none found for DTensor grads (fairscale is archived); the same drop with plain CPU grads is the
 fairscale-cpu-found-inf-not-agreed report.
 """
-import argparse, datetime, json, math, os, sys, tempfile, warnings
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -75,7 +82,8 @@ def injected(mesh, rank):
 
 
 def real_overflow(mesh, rank):
-    """FSDP2 on the CPU mesh, fp16 autocast: the backward overflows in rows 2, 3 of the first weight (rank 1's shard)."""
+    """FSDP2 on the CPU mesh, fp16 autocast: the backward overflows in rows 2, 3 of the first weight (rank 1's
+    shard)."""
     from fairscale.optim.grad_scaler import ShardedGradScaler
     from torch.distributed.fsdp import fully_shard
 

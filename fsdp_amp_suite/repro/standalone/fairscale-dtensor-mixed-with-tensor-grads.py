@@ -24,7 +24,13 @@ groups by device and dtype too), so the repro uses foreach=False.
 Related: pytorch #153354 (FSDP2 "got mixed torch.Tensor and DTensor"); torchtune PR #2687 (disables
 foreach grad scaling under TP); fairscale is archived.
 """
-import argparse, datetime, json, os, sys, tempfile, warnings
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import warnings
 from collections import defaultdict
 
 import torch

@@ -91,7 +91,8 @@ def real_overflow(rank):
     scaler.update()
     changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     finite = all(p.isfinite().all() for p in model.parameters())
-    return {"shard overflowed": shard_overflowed, "found_inf": found_inf, "params changed": changed, "params finite": bool(finite)}
+    return {"shard overflowed": shard_overflowed, "found_inf": found_inf, "params changed": changed,
+            "params finite": bool(finite)}
 
 
 def _rank(rank, world, store_path, out, args):
