@@ -95,6 +95,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xfail(strict=True, reason=expected.xfail, raises=expected.raises))
         if expected.race_free and not expected.skip:
             item.add_marker(pytest.mark.race_free(expected.race_free))
+            item.user_properties.append(("race_free", True))
         # the report's record of the check (fsdp_amp_suite/records.py Record): which bug or entry it xfails on
         item.user_properties += [(name, value) for name, value in (
             ("bug", expected.bug), ("xfails_file", expected.xfails_file),

@@ -46,6 +46,7 @@ class Record:
     reason: str | None = None
     deaths: tuple = ()  # a failed check whose ranks died: fsdp_amp_suite/harness/failures.py Death.as_data() of each
     rerun: str | None = None  # the command that reruns it alone, in fresh ranks (set where ranks died)
+    race_free: bool = False  # run with its copies made blocking (fsdp_amp_suite/expectations.py rule 2)
 
     def as_data(self) -> dict:
         return dataclasses.asdict(self)  # a Cell family becomes {precision, offload}
@@ -62,7 +63,7 @@ class Record:
         known = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
         family = known["family"]
         return cls(**dict(known, family=Cell(**family) if isinstance(family, dict) else family,
-                          deaths=tuple(known["deaths"] or ())))
+                          deaths=tuple(known["deaths"] or ()), race_free=bool(known["race_free"])))
 
 
 @dataclass(frozen=True)

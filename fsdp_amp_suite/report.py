@@ -239,6 +239,12 @@ def render(recs: list[Record], markdown: bool, exitstatus: int = 0, about: dict 
         for r in died:
             whose = "torch's, fairscale's or native code" if r.died_in_upstream_code else "a verdict on the scaler"
             lines.append(f"- {r.nodeid}: {'; '.join(_death_line(d) for d in r.deaths)} ({whose}); rerun: {r.rerun}")
+    race_free = collections.Counter((r.scaler, r.outcome) for r in recs if r.race_free)
+    if race_free:  # the checks a timing-dependent skip used to hide, judged with blocking copies
+        lines += ["", heading("Race-free checks (copies made blocking: the async-copy race cannot decide them)",
+                              markdown)]
+        lines += table(["scaler", *OUTCOMES], [[s, *(race_free[s, o] for o in OUTCOMES)]
+                                               for s in sorted({s for s, _ in race_free})], markdown)
     bugs = known_bugs(recs)
     if bugs:
         lines += ["", heading("Known upstream bugs (strict xfails)" if markdown else

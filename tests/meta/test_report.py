@@ -170,3 +170,14 @@ def test_a_rank_that_died_in_torch_is_told_apart_from_a_failed_check():
     assert "- b:" not in text  # a check that failed, no rank died
     back = Report.from_data(json.loads(json.dumps(report.as_data(recs, 1, {}))))
     assert back.records == tuple(recs)
+
+
+def test_the_race_free_checks_are_counted_by_scaler_and_outcome():
+    recs = report.records([rep("a", "passed", race_free=True), rep("b", "xfailed", race_free=True, reason="bug"),
+                           rep("c", "passed", scaler="torch_amp", race_free=True), rep("d", "passed")])
+    lines = report.render(recs, markdown=False).splitlines()
+    at = lines.index("Race-free checks (copies made blocking: the async-copy race cannot decide them):")
+    assert [line.split() for line in lines[at + 1:at + 5] if line.strip()][1:] == [
+        ["ours", "1", "0", "1", "0"], ["torch_amp", "1", "0", "0", "0"]]
+    assert Report.from_data(json.loads(json.dumps(report.as_data(recs, 0, {})))).records == tuple(recs)
+    assert "Race-free" not in report.render(report.records([rep("d", "passed")]), markdown=False)
