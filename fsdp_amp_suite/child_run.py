@@ -31,6 +31,9 @@ def runpytest(pytester, monkeypatch, *args, timeout: float = 600):
     (absolute paths under ROOT: its pytest.ini and conftest apply), in a child process of its own session."""
     for key in [k for k in os.environ if _parent_session(k)]:
         monkeypatch.delenv(key)
+    # the child imports this checkout's library (its -p fsdp_amp_suite.plugin), installed here or not: it runs in
+    # pytester's directory, where the checkout is not the working directory
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
 
 

@@ -288,7 +288,9 @@ def _early_reads(trials: int) -> int:
     """Trials in which a non_blocking CUDA -> CPU copy, queued behind a busy GPU's matmuls, is read before it lands."""
     early = 0
     for _ in range(trials):
-        keep_gpu_busy()
+        # ~150 ms of matmuls on an idle H100: under the gate's load a rank can wait tens of ms for a core between
+        # the copy and its read, and the default ~20 ms then let the copy land first in every trial
+        keep_gpu_busy(matmuls=64)
         value = torch.full((), 3.0, device="cuda")  # queued behind the matmuls
         early += value.to("cpu", non_blocking=True).item() != 3.0
         torch.cuda.synchronize()
