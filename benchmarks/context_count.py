@@ -1,6 +1,5 @@
 """How many processes can hold a CUDA context on GPU 0 at once: fsdp_amp_suite/harness/budget.py CONTEXT_LIMIT,
-under which
-the rank pools' context budget stays.
+under which the rank pools' context budget stays.
 
     python -m benchmarks.context_count [--limit 200] [--streams 0]
 

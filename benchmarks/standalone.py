@@ -1,6 +1,5 @@
 """What a standalone repro's run costs forked from the preloaded fork server (fsdp_amp_suite/upstream/forked.py,
-how the main
-job runs them) vs started fresh (`python FILE`, how `fsdp_amp_suite.upstream.reports --record` runs them).
+how the main job runs them) vs started fresh (`python FILE`, how `fsdp_amp_suite.upstream.reports --record` runs them).
 
     python -m benchmarks.standalone [--n 3] [--only STEM ...]
 

@@ -65,8 +65,7 @@ class KnownBug:
     torch: str = ""  # PEP 440 specifiers of the versions the bug holds on ("": every supported one);
     fairscale: str = ""  # on a version outside them the check is expected to pass (fixed there)
     reach: Reach | None = None  # can real training hit it? (every entry has one: tests/meta/test_standalone_files.py)
-    standalone: str = ""  # the standalone repro showing it, fsdp_amp_suite/repro/standalone/<standalone>.py ("": its
-                          # id's)
+    standalone: str = ""  # its standalone repro, fsdp_amp_suite/repro/standalone/<standalone>.py ("": its id's)
     needs: str = ""  # what that file needs to run (a fsdp_amp_suite/expectations.py NEEDS key), on the file's own entry
     by_design: bool = False  # torch's behaviour by design: no fix to propose, no upstream report
     precedes: frozenset | Every = frozenset()  # ids of the entries it wins over where both claim a check: the

@@ -1,7 +1,6 @@
 """The report's data, one type for its writer and its readers: a Record per check and a Report per run
-(fsdp_amp_suite/report.py writes them, `--report-json` carries them as plain data, fsdp_amp_suite/version_table.py reads
-them back
-with the same code), and the one table renderer (Markdown or plain text) both print with.
+(fsdp_amp_suite/report.py writes them, `--report-json` carries them as plain data, fsdp_amp_suite/version_table.py
+reads them back with the same code), and the one table renderer (Markdown or plain text) both print with.
 
 Only the standard library: the version table runs where neither pytest nor torch is installed.
 """

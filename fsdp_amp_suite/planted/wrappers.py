@@ -111,8 +111,8 @@ def fsdp2_one_unit_unreplicated(module, settings):
     return implementations.shard_fsdp2(module, settings, unit_mesh)
 
 
-# the matrix's TP model (fsdp_amp_suite/matrix/cell.py TP_PLAN): its first Colwise/Rowwise pair,
-# and the modules after it
+# the matrix's TP model (fsdp_amp_suite/matrix/cell.py TP_PLAN): its first Colwise/Rowwise pair, and the modules
+# after it
 FIRST_PAIR = {"0.lin": "colwise", "1.lin": "rowwise"}
 SPLIT_FROM, SPLIT_TO = "1.inner", "2"
 

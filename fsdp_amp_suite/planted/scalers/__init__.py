@@ -2,9 +2,9 @@
 
 Use one with `--scaler fsdp_amp_suite.planted.scalers:<name>` (the package binds every factory by its name) or its
 module's spec, `fsdp_amp_suite.planted.scalers.<module>:<name>`. Each is declared by
-`@mutant(name, caught_by=..., matrix=...)` (fsdp_amp_suite/planted/registry.py): tests/meta/test_mutants.py checks that
-every test
-in its caught_by fails on it (and `ours` passes them), tests/meta/test_teeth.py that the matrix roles fail matrix cells.
+`@mutant(name, caught_by=..., matrix=...)` (fsdp_amp_suite/planted/registry.py): tests/meta/test_mutants.py checks
+that every test in its caught_by fails on it (and `ours` passes them), tests/meta/test_teeth.py that the matrix
+roles fail matrix cells.
 The catalog is split by the part of the contract each breaks:
 
     agreement.py    found_inf agreed across ranks, groups, mesh dims, optimizers
