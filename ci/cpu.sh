@@ -16,6 +16,10 @@ python -m pip install -q --no-deps -e .                                   # the 
 python -m pip install -q --require-hashes -r requirements-ci.txt          # CI tools, pinned by hash
 actionlint .github/workflows/*.yml                                          # the workflows lint clean
 ruff check --no-cache .                                                      # the code lints clean (pyproject.toml [tool.ruff])
+# Python may write bytecode here, whatever the runner's PYTHONDONTWRITEBYTECODE says: every pytest process
+# (xdist workers, the meta job's child runs, rank pools) would else compile the suite's modules and rewrite
+# their asserts again, about a second of CPU each; a fresh clone has no __pycache__ that could go stale.
+unset PYTHONDONTWRITEBYTECODE
 SECONDS=0
 python -m pytest -n auto -p benchmarks.cputime --junitxml="$OUT/junit.xml" --report="$OUT/report.md" --report-json="$OUT/report.json"
 echo "ci/cpu.sh: the main job took ${SECONDS} s"

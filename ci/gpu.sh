@@ -49,6 +49,10 @@ if command -v nvidia-smi >/dev/null; then
   SAMPLERS="$SAMPLERS $!"
   trap 'kill $SAMPLERS 2>/dev/null || true' EXIT
 fi
+# Python may write bytecode here, whatever the runner's PYTHONDONTWRITEBYTECODE says: every pytest process
+# (xdist workers, the meta job's child runs, rank pools) would else compile the suite's modules and rewrite
+# their asserts again, about a second of CPU each; a fresh clone has no __pycache__ that could go stale.
+unset PYTHONDONTWRITEBYTECODE
 # the main job's paths (pytest.ini testpaths) and the suite's own tests, which name GPU paths of the harness;
 # the slow meta-tests (planted defects, adoption, torchrun, the child runs in test_options and
 # test_versions_table) are CPU work, run by ci/cpu.sh.
