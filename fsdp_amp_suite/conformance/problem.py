@@ -1,4 +1,4 @@
-"""An exact toy problem for scaler checks, the placements table, and a pure-Python model of the rules.
+"""An exact toy problem for scaler checks and a pure-Python model of the rules (the placements: placements.py).
 
 loss = sum_i <p_i, c_i> computed on the loss device, so grad p_i == c_i exactly: with power-of-two
 scales, every scaled and unscaled grad is exact in fp32, fp16 and bf16, and any deviation is a bug.
@@ -11,38 +11,9 @@ import math
 import pytest
 import torch
 
+from fsdp_amp_suite.placements import CPU_PLACEMENTS, GPU_PLACEMENTS, PLACEMENTS
 from fsdp_amp_suite.scalers import make_scaler
 
-# placement -> where the scaler's device, the params (hence grads) and the loss live
-PLACEMENTS = {
-    "cpu": dict(scaler="cpu", params=("cpu",), loss="cpu"),
-    "cuda": dict(scaler="cuda", params=("cuda",), loss="cuda"),
-    # FSDP CPU offload: compute (and loss, and scale) on the GPU, grads land on CPU
-    "offload": dict(scaler="cuda", params=("cpu",), loss="cuda"),
-    # fairscale issue #421's loss.to(model_device): a CUDA-device scaler whose first scaled loss is on CPU
-    "cpu_loss": dict(scaler="cuda", params=("cpu",), loss="cpu"),
-    # one model with grads on both devices: an inf on one device only must still be seen
-    "mixed": dict(scaler="cuda", params=("cpu", "cuda"), loss="cuda"),
-    # grads on both devices and the scale on CPU (its first scaled loss was on CPU)
-    "mixed_cpu_scale": dict(scaler="cuda", params=("cpu", "cuda"), loss="cpu"),
-}
-CPU_PLACEMENTS = ["cpu"]
-GPU_PLACEMENTS = ["cuda", "offload", "cpu_loss", "mixed"]  # the default set; mixed_cpu_scale is opt-in
-
-
-def placements_where(holds) -> tuple:
-    """The placements whose PLACEMENTS entry satisfies `holds`, in table order: the lists KNOWN_BUGS and the race
-    rules name placements by are derived here, not typed."""
-    return tuple(name for name, where in PLACEMENTS.items() if holds(where))
-
-
-# the scale a lazily placed scaler makes lives with its first scaled loss
-SCALE_ON_CPU = placements_where(lambda w: w["loss"] == "cpu")
-CPU_GRADS = placements_where(lambda w: "cpu" in w["params"])
-ONLY_CPU_GRADS = placements_where(lambda w: w["params"] == ("cpu",))
-CPU_GRADS_CUDA_SCALE = placements_where(lambda w: "cpu" in w["params"] and w["loss"] == "cuda")
-# grads on a device other than the scale's: copies of inv_scale or found_inf cross between CPU and CUDA
-GRADS_OFF_SCALE_DEVICE = placements_where(lambda w: set(w["params"]) != {w["loss"]})
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -125,6 +125,29 @@ class Cell:
     def __str__(self) -> str:
         return self.id
 
+    def placement(self, cuda: bool) -> str:
+        """This cell in the conformance suite's placement terms (fsdp_amp_suite/placements.py)."""
+        if not cuda:
+            return "cpu"
+        if self.offload != "offload":
+            return "cuda"
+        # an implementation that moves the loss to the params' device (fairscale issue #421's path) scales it on CPU
+        return "cpu_loss" if implementations.record(self.impl).loss_on_param_device else "offload"
+
+    def grad_dtype(self) -> str:
+        """This cell in the conformance suite's dtype terms (problem.DTYPES): the grads its scaler gets."""
+        low = {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision)
+        return low if low and implementations.record(self.impl).low_precision_grads(self) else "float32"
+
+    def check_param(self, name: str, cuda: bool):
+        """What a KNOWN_BUGS condition on `name` reads of this cell: its placement, its grads' dtype, or an axis
+        (AttributeError for a name that is none of these: a typo in a condition fails loudly)."""
+        if name == "placement":
+            return self.placement(cuda)
+        if name == "dtype":
+            return self.grad_dtype()
+        return getattr(self, name)
+
 
 def _id_part(axis: str, value) -> str:
     if axis == "world_size":

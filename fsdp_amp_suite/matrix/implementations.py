@@ -92,22 +92,6 @@ def record(spec: str) -> Implementation:
                           tuple(getattr(factory, "meshes", FLAT_ONLY)))
 
 
-def cell_placement(cell, cuda: bool) -> str:
-    """A matrix cell in the conformance suite's placement terms (problem.PLACEMENTS)."""
-    if not cuda:
-        return "cpu"
-    if cell.offload != "offload":
-        return "cuda"
-    # an implementation that moves the loss to the params' device (fairscale issue #421's path) scales it on CPU
-    return "cpu_loss" if record(cell.impl).loss_on_param_device else "offload"
-
-
-def cell_grad_dtype(cell) -> str:
-    """A matrix cell in the conformance suite's dtype terms (problem.DTYPES): the grads its scaler gets."""
-    low = {"fp16": "float16", "bf16": "bfloat16"}.get(cell.precision)
-    return low if low and record(cell.impl).low_precision_grads(cell) else "float32"
-
-
 def _blocks_innermost_first(module, block_cls):
     found = [m for m in module.modules() if isinstance(m, block_cls)]
     depth = {id(m): len(name.split(".")) for name, m in module.named_modules() if isinstance(m, block_cls)}

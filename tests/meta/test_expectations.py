@@ -10,7 +10,7 @@ import pytest
 from packaging.version import Version
 
 from fsdp_amp_suite.expectations import BugShown, Expectation, Machine, ReproOf, expectation
-from fsdp_amp_suite.known_bugs import EVERY_SCALER, KNOWN_BUGS, KnownBug
+from fsdp_amp_suite.known_bugs import EVERY_SCALER, KNOWN_BUGS, Check, KnownBug
 from fsdp_amp_suite.matrix import axes
 from fsdp_amp_suite.xfails import Entry
 
@@ -22,8 +22,9 @@ TORCH_2_4 = Machine(cuda=False, n_gpus=0, versions={**TORCH, "torch": Version("2
 
 
 def _bug(bug_id, scalers, tests=("test_check",), beats_race=False, torch=""):
-    return KnownBug(bug_id, scalers if scalers is EVERY_SCALER else frozenset(scalers), frozenset(tests),
-                    f"reason of {bug_id}", f"title of {bug_id}", lambda params, cuda: True, beats_race, torch, "")
+    return KnownBug(bug_id, scalers if scalers is EVERY_SCALER else frozenset(scalers),
+                    (Check(tests),) if tests else (), f"reason of {bug_id}", f"title of {bug_id}", beats_race, torch,
+                    "")
 
 
 BUGS = [

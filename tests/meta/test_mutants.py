@@ -12,14 +12,15 @@ import pytest
 
 from fsdp_amp_suite.child_run import ROOT, child_run_once
 from fsdp_amp_suite.planted import EXPECTED, SCALERS
-from fsdp_amp_suite.known_bugs import MESH, MESH_SEQUENCES, SEQUENCES
 
 pytestmark = pytest.mark.slow  # a child run of the suite: minutes on 2 cores, once per run (child_run_once)
-HANG_TEST = "test_unmatched_step_surfaces_as_a_hang_in_bounded_time"
 # what these checks cost `ours` is their length: the hang's timeout, the Hypothesis budget a passing scaler spends
 # whole, 4 ranks x ~50 mesh cells; they run only for the mutants that name them, and ours's outcomes there are
 # the main job's. A caught mutant need only fail: no shrinking (its readable sequence is test_sequences.py's).
-LONG_FOR_OURS = {HANG_TEST, SEQUENCES, MESH, MESH_SEQUENCES}
+LONG_FOR_OURS = {"test_unmatched_step_surfaces_as_a_hang_in_bounded_time",
+                 "test_every_sequence_of_calls_follows_the_contract",
+                 "test_every_rank_of_the_mesh_takes_the_same_decision",
+                 "test_every_sequence_on_a_mesh_follows_the_contract"}
 
 
 def _conformance_checks() -> list[str]:

@@ -3,8 +3,8 @@ silently drop a known bug's xfail, a mutant's expectation or a report column.
 
 Checked against what the main job collects (the suite's testpaths with the built-in scalers and FSDP
 implementations, before -m/-k deselect anything), collected by pytest itself in this process: KNOWN_BUGS
-(fsdp_amp_suite/known_bugs.py; an entry matches a check by its test names and
-param conditions, on a CPU or a CUDA machine, whatever the scaler and versions), the mutants'
+(fsdp_amp_suite/known_bugs.py; each Check of an entry, by its test names and param conditions, on a CPU or
+a CUDA machine, whatever the scaler and versions), the mutants'
 EXPECTED tests (fsdp_amp_suite/planted) and the report's COLUMNS (fsdp_amp_suite/report.py; each a module's
 report_column mark).
 """
@@ -15,7 +15,7 @@ import pytest
 
 from fsdp_amp_suite import report
 from fsdp_amp_suite.child_run import ROOT
-from fsdp_amp_suite.known_bugs import KNOWN_BUGS, KnownBug
+from fsdp_amp_suite.known_bugs import KNOWN_BUGS, Check, KnownBug
 from fsdp_amp_suite.planted import EXPECTED
 from fsdp_amp_suite.scalers import BUILTINS
 
@@ -24,9 +24,9 @@ def unmatched(collected) -> list[str]:
     """The table entries that match no collected (test function, params, report column)."""
     names = {name for name, _, _ in collected}
     columns = {column for _, _, column in collected}
-    out = [f"KNOWN_BUGS {bug.id!r}: no collected test is {sorted(bug.tests) if bug.tests else 'a scaler check'} "
-           f"with params its conditions accept" for bug in KNOWN_BUGS
-           if not any("scaler" in params and bug.matches(name, params, cuda)
+    out = [f"KNOWN_BUGS {bug.id!r}: no collected scaler check is {check!r}"
+           for bug in KNOWN_BUGS for check in bug.checks
+           if not any("scaler" in params and check.matches(name, params, cuda)
                       for name, params, _ in collected for cuda in (False, True))]
     out += [f"mutants EXPECTED {mutant!r}: no collected test is named {test!r}"
             for mutant, tests in EXPECTED.items() for test in tests if test not in names]
@@ -81,7 +81,7 @@ def test_entries_claiming_one_check_declare_which_wins(collected):
 
 def test_an_undeclared_overlap_is_named():
     def entry(bug_id, precedes=()):
-        return KnownBug(bug_id, frozenset({"torch_amp"}), frozenset({"test_x"}), "reason", "title",
+        return KnownBug(bug_id, frozenset({"torch_amp"}), (Check("test_x"),), "reason", "title",
                         precedes=frozenset(precedes))
     check = [("test_x", {"scaler": "torch_amp"}, "single rank")]
     assert undeclared_overlaps(check, [entry("a"), entry("b")]) == [

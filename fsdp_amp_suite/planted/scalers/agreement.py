@@ -7,7 +7,6 @@ import torch.distributed as dist
 
 from scaler_impl.scaler import DTensor, DeviceSplitGradScaler
 from fsdp_amp_suite.harness import cached_group
-from fsdp_amp_suite.known_bugs import MESH, MESH_SEQUENCES, SEQUENCES
 from fsdp_amp_suite.planted.registry import mutant
 from fsdp_amp_suite.planted.scalers.common import recorded, KnowsWhenStepping, unscale_args
 
@@ -91,7 +90,7 @@ class AgreesForFirstOptimizerOnly(DeviceSplitGradScaler):
         return super()._agree(found)
 
 
-@mutant("explicit_unscale_agrees_over_world", caught_by=[SEQUENCES])
+@mutant("explicit_unscale_agrees_over_world", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class ExplicitUnscaleAgreesOverWorld(KnowsWhenStepping, WorldGroup):
     """The clipping path's unscale_ agrees over WORLD (world_group's defect), not the given process_group; step()
     alone uses the group: under HSDP's shard groups one group's overflow skips the other group's step after a clip."""
@@ -100,7 +99,7 @@ class ExplicitUnscaleAgreesOverWorld(KnowsWhenStepping, WorldGroup):
         return DeviceSplitGradScaler._agree(self, found) if self._stepping else super()._agree(found)
 
 
-@mutant("trusts_dtensor_agreement", caught_by=[MESH])
+@mutant("trusts_dtensor_agreement", caught_by=["test_every_rank_of_the_mesh_takes_the_same_decision"])
 class TrustsDTensorAgreement(DeviceSplitGradScaler):
     """With DTensor grads, leaves the agreement to DTensor, as torch.amp.GradScaler (and accelerate with FSDP2)
     does: the unscale kernel is called on the DTensors, whose handler reduces found_inf over the mesh, and the
@@ -130,8 +129,9 @@ class TrustsDTensorAgreement(DeviceSplitGradScaler):
         return super()._agree(found)
 
 
-@mutant("agrees_along_one_mesh_dim", caught_by=[MESH, MESH_SEQUENCES], matrix="mesh")  # the inf on the last rank:
-                                                                                       # ranks 0, 1 step
+# the inf on the last rank: ranks 0, 1 step
+@mutant("agrees_along_one_mesh_dim", caught_by=["test_every_rank_of_the_mesh_takes_the_same_decision",
+                                                "test_every_sequence_on_a_mesh_follows_the_contract"], matrix="mesh")
 class AgreesAlongOneMeshDim(DeviceSplitGradScaler):
     """At world size 4 with no process group given, agrees on found_inf along the last dim of the 2x2 mesh only
     (HSDP's shard dim, or tp): over its own half of the world, as a scaler handed one mesh dim's group instead of

@@ -6,12 +6,12 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, found_inf_value
-from fsdp_amp_suite.known_bugs import DIFFERENTIAL, FRAMEWORKS, FUSED, SEQUENCES
 from fsdp_amp_suite.planted.registry import mutant
 from fsdp_amp_suite.planted.scalers.common import recorded, KnowsWhenStepping, LeavesSkipToFusedKernel
 
 
-@mutant("steps_on_inf", caught_by=["test_inf_or_nan_skips_step_and_backs_off", FRAMEWORKS],
+@mutant("steps_on_inf", caught_by=["test_inf_or_nan_skips_step_and_backs_off",
+                                   "test_training_in_a_framework_matches_torchs_scaler_through_an_overflow_and_a_resume"],
         matrix="small")
 class StepsOnInf(DeviceSplitGradScaler):
     """Backs off on inf but calls optimizer.step() anyway."""
@@ -69,7 +69,8 @@ class OneInfSkipsEveryOptimizer(DeviceSplitGradScaler):
         return super().step(optimizer, *args, **kwargs)
 
 
-@mutant("drops_step_return_value", caught_by=["test_step_forwards_arguments_and_return_value", DIFFERENTIAL])
+@mutant("drops_step_return_value", caught_by=["test_step_forwards_arguments_and_return_value",
+                                              "test_every_call_matches_torch_amp_grad_scaler"])
 class DropsStepReturnValue(DeviceSplitGradScaler):
     def step(self, optimizer, *args, **kwargs):
         super().step(optimizer, *args, **kwargs)
@@ -96,7 +97,8 @@ class EmptyStateDictAccepted(DeviceSplitGradScaler):
             super().load_state_dict(state_dict)
 
 
-@mutant("scale_loses_structure", caught_by=["test_scale_multiplies_tensors_and_keeps_structure", DIFFERENTIAL])
+@mutant("scale_loses_structure", caught_by=["test_scale_multiplies_tensors_and_keeps_structure",
+                                            "test_every_call_matches_torch_amp_grad_scaler"])
 class ScaleLosesStructure(DeviceSplitGradScaler):
     def scale(self, outputs):
         if self._enabled and isinstance(outputs, tuple):
@@ -120,7 +122,7 @@ class ScalesOnlyFirstOutput(DeviceSplitGradScaler):
 
 
 # Caught by the sequence test (test_sequences.py) only: each needs calls in an order no fixed schedule has.
-@mutant("unscale_marks_every_optimizer", caught_by=[SEQUENCES])
+@mutant("unscale_marks_every_optimizer", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class UnscaleMarksEveryOptimizer(KnowsWhenStepping):
     """An explicit unscale_ (the clipping path) of one optimizer counts for all (one flag per scaler, not per
     optimizer): another optimizer's step() then applies its grads still scaled, trusting the first's found_inf."""
@@ -145,7 +147,7 @@ class UnscaleMarksEveryOptimizer(KnowsWhenStepping):
         super().update(new_scale)
 
 
-@mutant("hands_fused_the_sum", caught_by=[FUSED])
+@mutant("hands_fused_the_sum", caught_by=["test_an_overflow_skips_a_fused_optimizer_exactly"])
 class HandsFusedTheSum(LeavesSkipToFusedKernel):
     """Hands a fused optimizer the found_inf summed over ranks and devices (KNOWN_BUGS
     torch-sharded-hands-fused-a-sum): two overflowing ranks give 2.0, which the kernel steps on."""
@@ -154,7 +156,7 @@ class HandsFusedTheSum(LeavesSkipToFusedKernel):
         return agreed
 
 
-@mutant("leaves_skip_to_fused_kernel", caught_by=[FUSED])
+@mutant("leaves_skip_to_fused_kernel", caught_by=["test_an_overflow_skips_a_fused_optimizer_exactly"])
 class LeavesSkipToFusedKernel(LeavesSkipToFusedKernel):
     """Hands a fused optimizer exactly 0.0 or 1.0 but calls its step() on an overflow too: fused SGD's skipped
     first step leaves its momentum buffer uninitialised (KNOWN_BUGS fused-sgd-skipped-first-step)."""

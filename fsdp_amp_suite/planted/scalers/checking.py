@@ -6,7 +6,6 @@ import math
 import torch
 
 from scaler_impl.scaler import DeviceSplitGradScaler
-from fsdp_amp_suite.known_bugs import SEQUENCES
 from fsdp_amp_suite.planted.registry import mutant
 from fsdp_amp_suite.planted.scalers.common import correct_check, checks_first, hidden_grads, unscale_args
 
@@ -124,7 +123,7 @@ class ChecksFirstBlockOfEachGrad(DeviceSplitGradScaler):
             torch._foreach_mul_(tails, inv_scale)
 
 
-@mutant("found_inf_per_dtype_overwritten", caught_by=[SEQUENCES])
+@mutant("found_inf_per_dtype_overwritten", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class FoundInfPerDtypeOverwritten(DeviceSplitGradScaler):
     """Each (device, dtype) group starts its device's found_inf afresh, so the last group's check is the one
     kept: with fp32 and fp16 grads in one optimizer, an inf in the first group is forgotten."""
@@ -135,7 +134,7 @@ class FoundInfPerDtypeOverwritten(DeviceSplitGradScaler):
         correct_check(grads, found_inf, inv_scale)
 
 
-@mutant("grads_listed_at_first_unscale", caught_by=[SEQUENCES])
+@mutant("grads_listed_at_first_unscale", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class GradsListedAtFirstUnscale(DeviceSplitGradScaler):
     """Lists an optimizer's params with grads once, at its first unscale_, and reuses the list (to save the walk
     over param_groups): a param whose grad appears later (an unfrozen layer, an expert first routed to) is
@@ -156,7 +155,7 @@ class GradsListedAtFirstUnscale(DeviceSplitGradScaler):
                 p.grad = grad
 
 
-@mutant("unscales_contiguous_copies", caught_by=[SEQUENCES])
+@mutant("unscales_contiguous_copies", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class UnscalesContiguousCopies(DeviceSplitGradScaler):
     """Hands the kernel grad.contiguous(): a strided grad (a channels_last or transposed param's) is unscaled in a
     copy that is thrown away, so its optimizer steps on the scaled grad."""
@@ -166,7 +165,7 @@ class UnscalesContiguousCopies(DeviceSplitGradScaler):
         correct_check([g.contiguous() for g in grads], found_inf, inv_scale)
 
 
-@mutant("checks_by_max_magnitude", caught_by=[SEQUENCES])
+@mutant("checks_by_max_magnitude", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class ChecksByMaxMagnitude(DeviceSplitGradScaler):
     """Checks each grad through one reduction, grad.abs().max(), instead of the elementwise kernel: right for
     inf and NaN, but max() of a rank's empty shard raises."""

@@ -6,7 +6,6 @@ import math
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, _f32, found_inf_value
-from fsdp_amp_suite.known_bugs import DIFFERENTIAL, SEQUENCES
 from fsdp_amp_suite.planted.registry import mutant
 from fsdp_amp_suite.planted.scalers.common import recorded
 
@@ -127,7 +126,8 @@ class InitScaleIgnored(DeviceSplitGradScaler):
 
 
 # The sequence test catches this one, and a fixed check as well.
-@mutant("load_keeps_own_settings", caught_by=[SEQUENCES, "test_state_dict_round_trip_resumes_identically"])
+@mutant("load_keeps_own_settings", caught_by=["test_every_sequence_of_calls_follows_the_contract",
+                                              "test_state_dict_round_trip_resumes_identically"])
 class LoadKeepsOwnSettings(DeviceSplitGradScaler):
     """load_state_dict restores the scale and the tracker only; growth and backoff factors and the interval
     stay what the resuming scaler was built with (checkpoint code that trusts its own config)."""
@@ -140,7 +140,8 @@ class LoadKeepsOwnSettings(DeviceSplitGradScaler):
         self._growth_factor, self._backoff_factor, self._growth_interval = own
 
 
-@mutant("update_counts_stepped_optimizers_only", caught_by=[SEQUENCES])  # the sequence test only
+# caught by the sequence test only
+@mutant("update_counts_stepped_optimizers_only", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class UpdateCountsSteppedOptimizersOnly(DeviceSplitGradScaler):
     """update() reads found_inf only from optimizers that stepped: an optimizer that was unscaled and saw
     inf but was not stepped this iteration (frozen, or stepped every other iteration) never backs off."""
@@ -153,7 +154,8 @@ class UpdateCountsSteppedOptimizersOnly(DeviceSplitGradScaler):
         super().update(new_scale)
 
 
-@mutant("tracker_counts_optimizer_steps", caught_by=[SEQUENCES])  # the sequence test only
+# caught by the sequence test only
+@mutant("tracker_counts_optimizer_steps", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class TrackerCountsOptimizerSteps(DeviceSplitGradScaler):
     """The growth tracker counts clean optimizer steps, not clean updates: with two optimizers it runs
     twice as fast, and can jump past growth_interval and never grow again."""
@@ -167,7 +169,8 @@ class TrackerCountsOptimizerSteps(DeviceSplitGradScaler):
 
 
 # The sequence test catches this one, and a fixed check as well.
-@mutant("clamps_scale_at_one", caught_by=[SEQUENCES, "test_scale_trajectory_matches_reference_model"])
+@mutant("clamps_scale_at_one", caught_by=["test_every_sequence_of_calls_follows_the_contract",
+                                          "test_scale_trajectory_matches_reference_model"])
 class ClampsScaleAtOne(DeviceSplitGradScaler):
     """update() never leaves the scale below 1.0 (a min_scale floor, as some trainers add): a backoff
     from 1 is refused and a scale that starts below 1 jumps up, so fp16 grads that need it overflow."""
@@ -178,7 +181,7 @@ class ClampsScaleAtOne(DeviceSplitGradScaler):
             self._set_scale(1.0)
 
 
-@mutant("scale_not_rounded_to_float32", caught_by=[SEQUENCES])
+@mutant("scale_not_rounded_to_float32", caught_by=["test_every_sequence_of_calls_follows_the_contract"])
 class ScaleNotRoundedToFloat32(DeviceSplitGradScaler):
     """Keeps the host scale as a Python float without rounding it to float32: with factors or a new_scale that
     are not powers of two, get_scale() and state_dict() drift from the float32 scale torch keeps."""
@@ -188,7 +191,8 @@ class ScaleNotRoundedToFloat32(DeviceSplitGradScaler):
         self._scale_tensors = {}
 
 
-@mutant("state_dict_is_live", caught_by=[SEQUENCES, DIFFERENTIAL])
+@mutant("state_dict_is_live", caught_by=["test_every_sequence_of_calls_follows_the_contract",
+                                         "test_every_call_matches_torch_amp_grad_scaler"])
 class StateDictIsLive(DeviceSplitGradScaler):
     """state_dict() returns one dict that the scaler keeps current (a cache, to avoid rebuilding it): a
     checkpoint kept in memory follows training instead of holding the state it was taken at."""

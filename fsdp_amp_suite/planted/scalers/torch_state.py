@@ -4,11 +4,10 @@ the integrations use (tests/conformance/test_torch_state.py): each still scales,
 from torch.amp.grad_scaler import OptState
 
 from scaler_impl.scaler import DeviceSplitGradScaler, found_inf_value
-from fsdp_amp_suite.known_bugs import STATE
 from fsdp_amp_suite.planted.registry import mutant
 
 
-@mutant("ignores_writes_into_scale", caught_by=[STATE])
+@mutant("ignores_writes_into_scale", caught_by=["test_private_scale_state_follows_the_scale"])
 class IgnoresWritesIntoScale(DeviceSplitGradScaler):
     """A write into the `_scale` tensor in place (torch's own load_state_dict makes one) never reaches the
     host scale: scale() multiplies by the written value while unscale_ divides by the old one."""
