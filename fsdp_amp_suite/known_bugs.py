@@ -223,7 +223,7 @@ KNOWN_BUGS = [
                                 "fairscale mixed precision without offload at world size 1)"),
          by_design=True,
          precedes={"fairscale-fsdp-mixed-precision-grads", "fsdp1-keeplow-offload-grad-dtype",
-                   "torch-amp-not-shard-aware-fsdp"}),  # the first unscale raises
+                   "torch-amp-not-shard-aware"}),  # the first unscale raises
     _bug("bf16-cuda-unscale-kernel", {"fairscale_sharded", "torch_amp", "torch_sharded"},
          checks=[Check(("test_clean_step_unscales_exactly_and_steps", "test_inf_or_nan_skips_step_and_backs_off",
                         "test_an_overflow_past_2_31_elements_is_seen", "test_fsdp_matches_ddp"),
@@ -238,27 +238,27 @@ KNOWN_BUGS = [
          needs="cuda",
          # precedes: the unscale raises before anything else can show
          precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-fused-optimizer-kwarg",
-                   "torch-amp-not-shard-aware-fsdp", "torch-sharded-fused-adamw-after-unscale"}),
+                   "torch-amp-not-shard-aware", "torch-sharded-fused-adamw-after-unscale"}),
     _bug("torch-amp-not-shard-aware", {"torch_amp"},
          checks=[Check(("test_inf_on_some_ranks_makes_every_rank_skip_and_back_off",
                         "test_ranks_keep_scale_in_lockstep", "test_each_optimizer_agrees_across_ranks",
                         "test_inf_on_some_ranks_over_nccl", "test_rank_without_grads_takes_part",
                         "test_unmatched_step_surfaces_as_a_hang_in_bounded_time",
                         "test_every_sequence_of_calls_follows_the_contract"),
-                       bad_ranks=other_than((0, 1)))],
+                       bad_ranks=other_than((0, 1))),
+                 Check("test_busy_gpu_cpu_grads_are_unscaled_and_checked", world_size=2, bad=True, placement="cuda"),
+                 # FSDP2 hides it: DTensor's handler for _amp_foreach_non_finite_check_and_unscale_ all-reduces
+                 # found_inf over the mesh
+                 Check("test_fsdp_matches_ddp", world_size=at_least(2), impl=("fsdp1", "fairscale"))],
          reason=("torch.amp.GradScaler does not agree on found_inf across ranks (it relies on DDP's all-reduced "
-                 "grads): with sharded grads an inf on one rank makes only that rank skip and back off"),
+                 "grads): with sharded grads (FSDP1, fairscale FSDP) an inf on one rank makes only that rank skip "
+                 "and back off"),
          title="no agreement on found_inf across ranks: an inf on one rank skips only there",
          reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's "
                                 "weight row, which after the reduce-scatter lies in one rank's shard only",
                      run="--real-overflow"),
-         by_design=True),
-    _bug("torch-amp-not-shard-aware-busy-gpu", {"torch_amp"},
-         checks=[Check("test_busy_gpu_cpu_grads_are_unscaled_and_checked", world_size=2, bad=True, placement="cuda")],
-         reason=("torch.amp.GradScaler does not agree on found_inf across ranks"),
-         title="no agreement on found_inf across ranks, in the busy-GPU check",
-         reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
-         standalone="torch-amp-not-shard-aware", by_design=True),
+         by_design=True,
+         precedes={"fsdp1-keeplow-offload-grad-dtype"}),
     _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"},
          checks=[Check(("test_every_sequence_of_calls_follows_the_contract",
                         "test_every_sequence_on_a_mesh_follows_the_contract",
@@ -322,9 +322,12 @@ KNOWN_BUGS = [
          checks=[Check("test_inf_on_some_ranks_makes_every_rank_skip_and_back_off", placement=ONLY_CPU_GRADS,
                        bad_ranks=other_than((0, 1))),
                  Check("test_fsdp_matches_ddp", cuda=True, offload="offload", world_size=at_least(2)),
-                 Check("test_every_sequence_of_calls_follows_the_contract", cuda=True, placement=CPU_GRADS_CUDA_SCALE)],
+                 Check("test_every_sequence_of_calls_follows_the_contract", cuda=True, placement=CPU_GRADS_CUDA_SCALE),
+                 Check("test_each_optimizer_agrees_across_ranks", placement=ONLY_CPU_GRADS),
+                 Check("test_ranks_keep_scale_in_lockstep", placement=CPU_GRADS)],
          reason=("fairscale ShardedGradScaler all-reduces a CPU found_inf on a CUDA copy and throws the result "
-                 "away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip"),
+                 "away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip (each "
+                 "optimizer on its own), and the ranks' scales diverge"),
          title="CPU found_inf all-reduced on a copy that is thrown away",
          reach=Reach(REACHABLE, "torch FSDP1 CPUOffload fp16 on 2 gloo ranks sharing a GPU, the loss moved to the "
                                 "CPU params (fairscale #421's path): the scaled backward overflows in one output "
@@ -333,30 +336,16 @@ KNOWN_BUGS = [
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     _bug("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"},
          checks=[Check("test_two_optimizers_skip_independently_back_off_once", placement=SCALE_ON_CPU,
-               bad_opts=[(0, 1)])],
+                       bad_opts=[(0, 1)]),
+                 Check("test_inf_on_two_devices_backs_off_once", placement="mixed_cpu_scale")],
          reason=("fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; two "
-                 "optimizers that both saw inf sum to 2.0 and the scale grows instead"),
-         title="backs off only if found_inf == 1.0: two optimizers' 2.0 grows the scale",
+                 "optimizers that both saw inf, or an inf on two devices, sum to 2.0 and the scale grows instead"),
+         title="backs off only if found_inf == 1.0: two optimizers' (or devices') 2.0 grows the scale",
          reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), one optimizer per layer, fp16 "
                                 "autocast at the default init_scale 2**16: the scaled backward overflows by itself "
                                 "into both layers' grads, found_inf sums to 2.0 and the scale grows",
                      run="--real-overflow"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
-    _bug("fairscale-cpu-found-inf-not-agreed-per-optimizer", {"fairscale_sharded"},
-         checks=[Check("test_each_optimizer_agrees_across_ranks", placement=ONLY_CPU_GRADS)],
-         reason=("fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA "
-                 "copy and throws the result away), so with CPU grads each optimizer skips only on the ranks that "
-                 "saw the inf"),
-         title="CPU found_inf never agreed across ranks, per optimizer",
-         reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
-         fairscale=FAIRSCALE_0_4_13, standalone="fairscale-cpu-found-inf-not-agreed"),
-    _bug("fairscale-cpu-found-inf-not-agreed-scale-lockstep", {"fairscale_sharded"},
-         checks=[Check("test_ranks_keep_scale_in_lockstep", placement=CPU_GRADS)],
-         reason=("fairscale ShardedGradScaler never agrees on a CPU found_inf across ranks (it all-reduces a CUDA "
-                 "copy and throws the result away), so the ranks' scales diverge"),
-         title="CPU found_inf never agreed across ranks: their scales diverge",
-         reach=Reach(REACHABLE, "as fairscale-cpu-found-inf-not-agreed", run="--real-overflow"),
-         fairscale=FAIRSCALE_0_4_13, standalone="fairscale-cpu-found-inf-not-agreed"),
     _bug("fairscale-rank-without-grads", {"fairscale_sharded"},
          checks=[Check("test_rank_without_grads_takes_part")],
          reason=("fairscale ShardedGradScaler records no found_inf on a rank without grads: that rank raises 'No "
@@ -368,18 +357,23 @@ KNOWN_BUGS = [
                                 "branch)"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     _bug("fairscale-state-dict-after-backoff", {"fairscale_sharded"},
+         # the matrix's: fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale
+         # issue #421) keeps the scale on CPU, and the checkpoint after step 8 raises
          checks=[Check(("test_state_dict_round_trip_resumes_identically",
-                 "test_a_checkpoint_crosses_between_scalers_and_resumes_identically",
-                 "test_a_checkpoint_saved_by_another_torch_loads_and_resumes",
-                 "test_private_scale_state_follows_the_scale"),
-                 placement=SCALE_ON_CPU)],
+                        "test_a_checkpoint_crosses_between_scalers_and_resumes_identically",
+                        "test_a_checkpoint_saved_by_another_torch_loads_and_resumes",
+                        "test_private_scale_state_follows_the_scale"),
+                       placement=SCALE_ON_CPU),
+                 Check("test_fsdp_matches_ddp", impl="fairscale", placement=SCALE_ON_CPU, world_size=1)],
          reason=("fairscale sets _growth_tracker to a Python int on backoff when the scale is on CPU; state_dict() "
-                 "(and _get_growth_tracker()) then raises AttributeError: 'int' object has no attribute 'item'"),
+                 "(and _get_growth_tracker()) then raises AttributeError: 'int' object has no attribute 'item' "
+                 "(fairscale FSDP CPU-offload training with the loss on the CPU params too)"),
          title="state_dict() raises after a backoff, scale on CPU",
          reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), fp16 autocast at the default "
                                 "init_scale: the scaled backward overflows by itself, the scale backs off, and "
                                 "state_dict() raises", run="--real-overflow"),
-         fairscale=FAIRSCALE_0_4_13, needs="cuda"),
+         fairscale=FAIRSCALE_0_4_13, needs="cuda",
+         precedes={"fairscale-fsdp-mixed-precision-grads"}),
     _bug("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"},
          checks=[Check("test_update_with_new_scale", placement="cpu", form=("tensor", "one_element"))],
          reason=("fairscale ShardedGradScaler.update(new_scale=tensor) asserts a torch.cuda.FloatTensor, so a CPU "
@@ -389,13 +383,6 @@ KNOWN_BUGS = [
                                 "lives on CPU"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda",
          precedes={"amp-update-one-element-new-scale"}),  # its assertion refuses the tensor before the copy
-    _bug("fairscale-backoff-only-if-exactly-one-two-devices", {"fairscale_sharded"},
-         checks=[Check("test_inf_on_two_devices_backs_off_once", placement="mixed_cpu_scale")],
-         reason=("fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; an inf on "
-                 "two devices sums to 2.0 and the scale grows instead"),
-         title="backs off only if found_inf == 1.0: an inf on two devices grows the scale",
-         reach=Reach(REACHABLE, "as fairscale-backoff-only-if-exactly-one", run="--real-overflow"),
-         fairscale=FAIRSCALE_0_4_13, standalone="fairscale-backoff-only-if-exactly-one"),
     _bug("torch-sharded-collective-per-device", {"torch_sharded"},
          checks=[Check("test_rank_without_grads_takes_part", placement="mixed")],
          reason=("torch ShardedGradScaler issues one all_reduce per device holding grads: a rank with grads on CPU "
@@ -498,16 +485,6 @@ KNOWN_BUGS = [
                                 "plain and DTensor params in one optimizer"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     # ---- the FSDP-vs-DDP matrix (tests/matrix)
-    _bug("torch-amp-not-shard-aware-fsdp", {"torch_amp"},
-         checks=[Check("test_fsdp_matches_ddp", world_size=at_least(2), impl=("fsdp1", "fairscale"))],
-         reason=("torch.amp.GradScaler does not agree on found_inf across ranks: under FSDP1 (and fairscale) an "
-                 "inf in one rank's grad shard makes only that rank skip and back off. (FSDP2 hides this: "
-                 "DTensor's handler for _amp_foreach_non_finite_check_and_unscale_ all-reduces found_inf over the "
-                 "mesh.)"),
-         title="no agreement on found_inf across ranks under FSDP1 and fairscale FSDP",
-         reach=Reach(REACHABLE, "as torch-amp-not-shard-aware", run="--real-overflow"),
-         standalone="torch-amp-not-shard-aware", by_design=True,
-         precedes={"fsdp1-keeplow-offload-grad-dtype"}),
     _bug("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"},
          checks=[Check("test_an_overflow_skips_a_fused_optimizer_exactly",
                        fused=all_of(ON_FUSED_PATH, STEP_COUNTER_FUSED), explicit_unscale=True),
@@ -605,18 +582,7 @@ KNOWN_BUGS = [
          reach=Reach(EVERY_RUN, "no overflow: every step of a fused optimizer"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda",
          precedes={"fairscale-cpu-found-inf-not-agreed", "fairscale-fsdp-mixed-precision-grads",
-                   "fairscale-state-dict-after-backoff-fsdp"}),  # the first step raises
-    _bug("fairscale-state-dict-after-backoff-fsdp", {"fairscale_sharded"},
-         checks=[Check("test_fsdp_matches_ddp", impl="fairscale", placement=SCALE_ON_CPU, world_size=1)],
-         reason=("fairscale's state_dict() after a backoff (fairscale-state-dict-after-backoff) inside FSDP "
-                 "training: fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale "
-                 "issue #421) keeps the scale on CPU, so after the first growth or backoff _growth_tracker is a "
-                 "Python int and the checkpoint after step 8 raises AttributeError: 'int' object has no attribute "
-                 "'item'"),
-         title="state_dict() raises after a backoff, in fairscale FSDP CPU-offload training",
-         reach=Reach(REACHABLE, "as fairscale-state-dict-after-backoff", run="--real-overflow"),
-         fairscale=FAIRSCALE_0_4_13, standalone="fairscale-state-dict-after-backoff",
-         precedes={"fairscale-fsdp-mixed-precision-grads"}),
+                   "fairscale-state-dict-after-backoff"}),  # the first step raises
     _bug("fairscale-fsdp-mixed-precision-grads", EVERY_SCALER,
          # foreach SGD over orig params, fused AdamW, and the natural cell (climb: nested, flat, SGD; seen on torch
          # 2.11, H100)
