@@ -55,7 +55,7 @@ class Row:
     repro: tuple  # repro files (relative to the repository root) whose repro_of names the bug
     reach: str = ""  # can real training hit it: a known_bugs Reach kind
     standalone: str = ""  # its standalone repro (relative to the repository root)
-    report: str = ""  # its upstream report, where it has one (relative to the repository root)
+    report: str = ""  # its upstream report or comment draft, where it has one (relative to the repository root)
 
 
 def _marks_of(obj) -> list:
@@ -99,7 +99,8 @@ def row(bug: KnownBug, marks: list[ReproMark]) -> Row:
     hits = () if bug.scalers is known_bugs.EVERY_SCALER else tuple(s for s in BUILTINS if s in bug.scalers)
     from fsdp_amp_suite.upstream.reports import reported
 
-    report = f"docs/upstream/{bug.id}.md" if bug in reported() else ""
+    report = (f"docs/upstream/{bug.id}.md" if bug in reported() else
+              f"docs/upstream/comments/{bug.comment_on}.md" if bug.comment_on else "")
     return Row(bug.id, bug.title, hits, bug.torch, bug.fairscale, repro_files(bug.id, marks), bug.reach.kind,
                f"{known_bugs.STANDALONE_DIR}/{bug.standalone_file}.py", report)
 
@@ -124,7 +125,7 @@ def render(table: list[Row]) -> str:
                  f"`{r.torch}`" if r.torch else "any",
                  f"`{r.fairscale}`" if r.fairscale else "any",
                  r.reach,
-                 f"[`{Path(r.standalone).name}`]({r.standalone})" + (f", [report]({r.report})" if r.report else ""),
+                 f"[`{Path(r.standalone).name}`]({r.standalone})" + (f", [{'comment' if '/comments/' in r.report else 'report'}]({r.report})" if r.report else ""),
                  ", ".join(f"[`{Path(f).name}`]({f})" for f in r.repro) if r.repro else NO_REPRO)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

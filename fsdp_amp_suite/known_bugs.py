@@ -158,6 +158,8 @@ class KnownBug:
     standalone: str = ""  # its standalone repro, fsdp_amp_suite/repro/standalone/<standalone>.py ("": its id's)
     needs: str = ""  # what that file needs to run (a fsdp_amp_suite/expectations.py NEEDS key), on the file's own entry
     by_design: bool = False  # torch's behaviour by design: no fix to propose, no upstream report
+    comment_on: str = ""  # an open upstream thread it adds evidence to: its draft, docs/upstream/comments/<this>.md,
+                          # stands in place of a new report
     precedes: frozenset | Every = frozenset()  # ids of the entries it wins over where both claim a check: the
                                                # one a check shows first (test_tables.py: every overlap declared)
 
@@ -195,10 +197,10 @@ FAIRSCALE_0_4_13 = "==0.4.13"
 
 
 def _bug(bug_id, scalers, *, checks, reason, title, reach, beats_race=False, torch=ANY_TORCH, fairscale="",
-         standalone="", needs="", by_design=False, precedes=()):
+         standalone="", needs="", by_design=False, comment_on="", precedes=()):
     return KnownBug(bug_id, scalers if isinstance(scalers, Every) else frozenset(scalers), tuple(checks), reason,
                     title, beats_race, str(SpecifierSet(torch)), str(SpecifierSet(fairscale)), reach, standalone,
-                    needs, by_design, precedes if isinstance(precedes, Every) else frozenset(precedes))
+                    needs, by_design, comment_on, precedes if isinstance(precedes, Every) else frozenset(precedes))
 
 
 KNOWN_BUGS = [
@@ -235,7 +237,7 @@ KNOWN_BUGS = [
          title="bf16 grads on CUDA crash the unscale kernel",
          reach=Reach(EVERY_RUN, "every step whose grads are bf16 on CUDA (FSDP1 keep_low_precision_grads in bf16; "
                                 "fairscale compute_dtype bf16 without offload)"),
-         needs="cuda",
+         needs="cuda", comment_on="pytorch-127176",
          # precedes: the unscale raises before anything else can show
          precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-fused-optimizer-kwarg",
                    "torch-amp-not-shard-aware", "torch-sharded-fused-adamw-after-unscale"}),
@@ -402,7 +404,7 @@ KNOWN_BUGS = [
                                 "GPU work between backward and unscale_/step may read the copies before they land "
                                 "(a real FSDP1 CPUOffload fp16 loop with one queued matmul lost 3 to 7 of 20 clean "
                                 "steps); timing-dependent, so the suite keeps the GPU busy to show it"),
-         needs="cuda"),
+         needs="cuda", comment_on="pytorch-pr-176429"),
     # ---- meshes (test_meshes.py, and the sequences on a mesh)
     _bug("torch-amp-mesh-sequences", {"torch_amp"},
          checks=[Check("test_every_sequence_on_a_mesh_follows_the_contract")],
@@ -497,6 +499,7 @@ KNOWN_BUGS = [
          reach=Reach(EVERY_RUN, "no overflow: every step of fused Adam, AdamW or Adagrad after an explicit "
                                 "unscale_ (clipping), from the first, clean one (FSDP1 fp16 on 2 ranks raises at "
                                 "step 1 too)"),
+         comment_on="pytorch-140514",
          precedes={"amp-hands-fused-a-device-sum", "fairscale-fsdp-mixed-precision-grads",
                    "torch-sharded-cpu-unscale-found-inf-shape"}),  # the first step raises
     _bug("torch-sharded-hands-fused-a-sum", {"torch_sharded"},

@@ -33,6 +33,7 @@ from fsdp_amp_suite.known_bugs import STANDALONE_DIR, KnownBug, bug_by_id, stand
 from fsdp_amp_suite.upstream.runs import PLAIN, ROOT, SKIP_STATUS, modes, path_of, run_file
 
 RUNS = ROOT / "docs" / "upstream" / "runs.json"
+COMMENTS = ROOT / "docs" / "upstream" / "comments"  # hand-written: the new evidence only, for the thread's readers
 SECTIONS = ("Root cause", "Fix", "Related")
 
 
@@ -67,9 +68,15 @@ def doc(stem: str) -> Doc:
 
 
 def reported() -> list[KnownBug]:
-    """The entries that get an upstream report: each owns its file, and is neither by design nor fixed upstream."""
+    """The entries that get an upstream report: each owns its file, and is neither by design nor fixed upstream,
+    nor new evidence for a thread already open (commented())."""
     return [shown[0] for stem, shown in standalone_files().items()
-            if not shown[0].by_design and not shown[0].torch]
+            if not shown[0].by_design and not shown[0].torch and not shown[0].comment_on]
+
+
+def commented() -> list[KnownBug]:
+    """The entries whose write-up upstream is a comment on a thread already open: a draft in COMMENTS."""
+    return [shown[0] for shown in standalone_files().values() if shown[0].comment_on]
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -203,13 +210,21 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def check(directory: Path, runs: list[dict]) -> list[str]:
-    """The reports of `directory` that are missing or differ from what would be written."""
-    out = []
+def check(directory: Path, runs: list[dict], comments: Path = COMMENTS) -> list[str]:
+    """What is wrong with `directory`'s reports: each that is missing or differs from what would be written, a
+    report that no entry gets (a duplicate turned comment, a removed entry), and a comment draft that is missing
+    or does not name its entry's id."""
+    out, wanted = [], {f"{bug.id}.md" for bug in reported()}
     for bug in reported():
         path = directory / f"{bug.id}.md"
         if not path.exists() or path.read_text(encoding="utf-8") != report(bug, runs):
-            out.append(str(path))
+            out.append(f"{path}: not current")
+    out += [f"{path}: no KNOWN_BUGS entry gets this report" for path in sorted(directory.glob("*.md"))
+            if path.name not in wanted and path.name != "README.md"]
+    for bug in commented():
+        path = comments / f"{bug.comment_on}.md"
+        if not path.exists() or f"`{bug.id}`" not in path.read_text(encoding="utf-8"):
+            out.append(f"{path}: the comment draft for {bug.id} is missing or does not name it")
     return out
 
 
@@ -242,13 +257,17 @@ def main(argv=None) -> int:
     if args.write or args.check:
         if args.check:
             stale = check(args.check, runs)
-            for path in stale:
-                print(f"{path}: not current: run `python -m fsdp_amp_suite.upstream.reports --write {args.check}`")
+            for problem in stale:
+                print(f"{problem} (`python -m fsdp_amp_suite.upstream.reports --write {args.check}` writes the "
+                      "reports; comment drafts are written by hand)")
             return int(bool(stale))
         args.write.mkdir(parents=True, exist_ok=True)
         for bug in reported():
             (args.write / f"{bug.id}.md").write_text(report(bug, runs), encoding="utf-8")
-        print(f"{args.write}: {len(reported())} reports written")
+        for bug in commented():  # its report was a duplicate of an open thread: the comment draft replaces it
+            (args.write / f"{bug.id}.md").unlink(missing_ok=True)
+        print(f"{args.write}: {len(reported())} reports written; {len(commented())} bugs are comments on open "
+              f"threads ({COMMENTS.relative_to(ROOT)})")
         return 0
     if not args.id:
         parser.error("name a KNOWN_BUGS id, or --write/--check/--record")

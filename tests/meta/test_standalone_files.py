@@ -87,6 +87,25 @@ def test_the_reports_are_current():
     assert not stale, f"run `python -m fsdp_amp_suite.upstream.reports --write docs/upstream`: {stale}"
 
 
+def test_a_duplicate_of_an_open_thread_is_a_comment_draft_not_a_report(tmp_path):
+    """An entry with comment_on gets no report: a stray report file, or a draft that is missing or does not name
+    the entry, is named by the check."""
+    bug = reports.commented()[0]
+    reports_dir, comments = tmp_path / "upstream", tmp_path / "comments"
+    reports_dir.mkdir()
+    comments.mkdir()
+    for other in reports.reported():
+        (reports_dir / f"{other.id}.md").write_text(reports.report(other, reports.load_runs()), encoding="utf-8")
+    for other in reports.commented():
+        (comments / f"{other.comment_on}.md").write_text(f"`KNOWN_BUGS` id `{other.id}`", encoding="utf-8")
+    assert reports.check(reports_dir, reports.load_runs(), comments) == []
+    (reports_dir / f"{bug.id}.md").write_text("# the old report", encoding="utf-8")
+    (comments / f"{bug.comment_on}.md").write_text("words that name no entry", encoding="utf-8")
+    assert reports.check(reports_dir, reports.load_runs(), comments) == [
+        f"{reports_dir / (bug.id + '.md')}: no KNOWN_BUGS entry gets this report",
+        f"{comments / (bug.comment_on + '.md')}: the comment draft for {bug.id} is missing or does not name it"]
+
+
 def test_the_recorded_runs_cover_every_report_and_match_known_bugs():
     """Every report of a bug that shows without CUDA has its recorded runs (a CUDA-only one is recorded from the GPU
     gate's runs, --merge, and says so until then), and every recorded status is what KNOWN_BUGS expects."""
