@@ -119,13 +119,14 @@ def render(table: list[Row]) -> str:
     """The Markdown table (no trailing newline)."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in table:
+        written = "comment" if "/comments/" in r.report else "report"
         cells = (f"[`{r.bug}`]({DOC}#{r.bug})",
                  _cell(r.what),
                  ", ".join(f"`{s}`" for s in r.hits) if r.hits else EVERY_SCALER,
                  f"`{r.torch}`" if r.torch else "any",
                  f"`{r.fairscale}`" if r.fairscale else "any",
                  r.reach,
-                 f"[`{Path(r.standalone).name}`]({r.standalone})" + (f", [{'comment' if '/comments/' in r.report else 'report'}]({r.report})" if r.report else ""),
+                 f"[`{Path(r.standalone).name}`]({r.standalone})" + (f", [{written}]({r.report})" if r.report else ""),
                  ", ".join(f"[`{Path(f).name}`]({f})" for f in r.repro) if r.repro else NO_REPRO)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
