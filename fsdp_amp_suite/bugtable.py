@@ -101,7 +101,7 @@ def row(bug: KnownBug, marks: list[ReproMark]) -> Row:
 
     report = (f"docs/upstream/{bug.id}.md" if bug in reported() else
               f"docs/upstream/comments/{bug.comment_on}.md" if bug.comment_on else "")
-    return Row(bug.id, bug.title, hits, bug.torch, bug.fairscale, repro_files(bug.id, marks), bug.reach.kind,
+    return Row(bug.id, bug.title, hits, bug.torch, bug.fairscale, repro_files(bug.id, marks), bug.reach.overflow,
                f"{known_bugs.STANDALONE_DIR}/{bug.standalone_file}.py", report)
 
 

@@ -129,18 +129,19 @@ class Check:
         return said + "".join(f"; {name}: {allowed!r}" for name, allowed in self.where.items())
 
 
-REACHABLE = "reachable"  # an overflow that forward/backward make, through the real reductions, hits it
-EVERY_RUN = "every run"  # no overflow needed: every step of the configuration (or the call) hits it
+NEEDED = "overflow needed"  # a step whose scaled grads overflow, through the real reductions (fp16 has them)
+NOT_NEEDED = "no overflow needed"  # clean steps of the setup (or the call) hit it
 INJECTION_ONLY = "injection only"  # only a value written into a grad after backward or a reduction gets there
 
 
 @dataclass(frozen=True)
 class Reach:
-    """Whether real training reaches a bug, and the evidence. `how`: for REACHABLE, the run that shows it;
-    for EVERY_RUN, the configuration; for INJECTION_ONLY, why training does not get there and what a job
-    would have to do to. `run`: the standalone file's flag that runs that real training ("" if none)."""
-    kind: str
-    how: str
+    """Whether real training reaches a bug, in two fields that do not overstate. `overflow`: NEEDED, NOT_NEEDED
+    or INJECTION_ONLY. `setups`: the setups that reach it and how common they are (a timing-dependent bug says
+    so; for INJECTION_ONLY, why training does not get there and what a job would have to do to). `run`: the
+    standalone file's flag that shows it in real training ("" if none)."""
+    overflow: str
+    setups: str
     run: str = ""
 
 
@@ -209,8 +210,9 @@ KNOWN_BUGS = [
          reason=("fairscale ShardedGradScaler silently disables itself without CUDA (amp_definitely_not_available) "
                  "and then steps on inf grads; it has no device argument"),
          title="silently disabled without CUDA, then steps on inf grads",
-         reach=Reach(EVERY_RUN, "every job on a machine without CUDA: the scaler never scales, and an inf or NaN "
-                                "that the fp16 forward makes is applied"),
+         reach=Reach(NOT_NEEDED, "Any job that builds fairscale's scaler on a machine without CUDA: it never scales, "
+                                 "and an inf or NaN that the fp16 forward makes is applied. Uncommon: fp16 loss "
+                                 "scaling is mostly a GPU practice, but CPU fp16 runs and CI without GPUs meet it"),
          fairscale=FAIRSCALE_0_4_13, needs="no-cuda",
          precedes=EVERY_OTHER_BUG),  # a disabled scaler shows nothing else
     _bug("torch-amp-refuses-fp16-grads", {"torch_amp"},
@@ -221,8 +223,9 @@ KNOWN_BUGS = [
                  "gradients.), which FSDP mixed precision without offload produces (fairscale; FSDP1 "
                  "keep_low_precision_grads)"),
          title="fp16 grads refused by design (\"Attempting to unscale FP16 gradients\")",
-         reach=Reach(EVERY_RUN, "every step whose grads are fp16 (FSDP1 keep_low_precision_grads, the file's run; "
-                                "fairscale mixed precision without offload at world size 1)"),
+         reach=Reach(NOT_NEEDED, "A job whose grads reach the scaler in fp16: FSDP1 keep_low_precision_grads, "
+                                 "fairscale mixed precision without offload at world size 1. Uncommon: the default "
+                                 "FSDP mixed precision gives fp32 grads; by design, the error says what is wrong"),
          by_design=True,
          precedes={"fairscale-fsdp-mixed-precision-grads", "fsdp1-keeplow-offload-grad-dtype",
                    "torch-amp-not-shard-aware"}),  # the first unscale raises
@@ -235,8 +238,9 @@ KNOWN_BUGS = [
                  "(fairscale FSDP with compute_dtype bf16 and no offload at world size 1; FSDP1 "
                  "keep_low_precision_grads)"),
          title="bf16 grads on CUDA crash the unscale kernel",
-         reach=Reach(EVERY_RUN, "every step whose grads are bf16 on CUDA (FSDP1 keep_low_precision_grads in bf16; "
-                                "fairscale compute_dtype bf16 without offload)"),
+         reach=Reach(NOT_NEEDED, "A job that loss-scales bf16 grads on CUDA (FSDP1 keep_low_precision_grads in bf16; "
+                                 "fairscale compute_dtype bf16 without offload). Uncommon: bf16 training rarely uses "
+                                 "a scaler, but configurations that switch fp16 to bf16 keep it"),
          needs="cuda", comment_on="pytorch-127176",
          # precedes: the unscale raises before anything else can show
          precedes={"fairscale-fsdp-mixed-precision-grads", "fairscale-fused-optimizer-kwarg",
@@ -256,9 +260,10 @@ KNOWN_BUGS = [
                  "grads): with sharded grads (FSDP1, fairscale FSDP) an inf on one rank makes only that rank skip "
                  "and back off"),
          title="no agreement on found_inf across ranks: an inf on one rank skips only there",
-         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's "
-                                "weight row, which after the reduce-scatter lies in one rank's shard only",
-                     run="--real-overflow"),
+         reach=Reach(NEEDED, "Torch.amp.GradScaler with sharded grads at 2 or more ranks: FSDP1 or fairscale FSDP "
+                             "fp16, an overflow in one rank's shard only (shown: FSDP1 fp16 on 2 gloo ranks, the "
+                             "overflow in one output unit's weight row). Common where FSDP users keep the DDP "
+                             "scaler; by design, ShardedGradScaler exists for it", run="--real-overflow"),
          by_design=True,
          precedes={"fsdp1-keeplow-offload-grad-dtype"}),
     _bug("fairscale-cpu-scale-sequences", {"fairscale_sharded"},
@@ -271,8 +276,10 @@ KNOWN_BUGS = [
                  "(fairscale-backoff-only-if-exactly-one), state_dict() raising after a backoff "
                  "(fairscale-state-dict-after-backoff), growth to inf (sharded-cpu-scale-grows-to-inf)"),
          title="scale on CPU: call sequences reach several of its bugs, whichever comes first",
-         reach=Reach(REACHABLE, "as its parts; fairscale-cpu-found-inf-not-agreed shows a real overflow",
-                     run="--real-overflow"),
+         reach=Reach(NEEDED, "As its parts (fairscale-cpu-found-inf-not-agreed shows a real overflow): fairscale's "
+                             "scaler with its scale on CPU, which fairscale's own CPU-offload path (the loss moved "
+                             "to the CPU params, fairscale #421) makes. Uncommon: that path only",
+                             run="--real-overflow"),
          fairscale=FAIRSCALE_0_4_13, standalone="fairscale-cpu-found-inf-not-agreed",
          # precedes: fairscale with its scale on CPU has more than that bug for a sequence to reach
          precedes={"sharded-cpu-scale-grows-to-inf"}),
@@ -285,7 +292,8 @@ KNOWN_BUGS = [
                  "fairscale's ShardedGradScaler alike)"),
          title="update(new_scale=torch.tensor([x])) raises: a shape-[1] tensor passes the check, then fails the "
                "copy",
-         reach=Reach(EVERY_RUN, "no overflow: every update(new_scale=<a 1-element tensor of shape [1]>)")),
+         reach=Reach(NOT_NEEDED, "A call update(new_scale=t) with t of shape [1], e.g. torch.tensor([x]) restored "
+                                 "from a log or a custom schedule. Rare: most callers pass a float")),
     _bug("torch-sharded-scale-keeps-loss-dtype", {"torch_sharded"},
          checks=[Check("test_every_call_matches_torch_amp_grad_scaler")],
          reason=("torch ShardedGradScaler.scale() casts the scaled output back to its dtype (on purpose, for FSDP "
@@ -293,8 +301,10 @@ KNOWN_BUGS = [
                  "torch.amp.GradScaler returns the float32 product; the grads are the same, but a guard or a log "
                  "that reads the scaled loss sees an overflow that did not happen"),
          title="scale() casts a 0-dim fp16 loss back to fp16: the scaled loss is inf where torch's is finite",
-         reach=Reach(EVERY_RUN, "no overflow: every scale() of a 0-dim fp16 loss above 65504 / scale (FSDP fp16 "
-                                "mixed precision without autocast: loss 2.0 at a scale of 2**15)"),
+         reach=Reach(NOT_NEEDED, "Scale() of a 0-dim fp16 loss above 65504 / scale, without autocast (FSDP fp16 "
+                                 "mixed precision computes the loss in fp16: loss 2.0 at a scale of 2**15). The "
+                                 "grads are right; only code that reads the scaled loss (a guard, a log) is misled. "
+                                 "Uncommon"),
          by_design=True),
     _bug("sharded-default-group-bound-at-import", {"fairscale_sharded", "torch_sharded"},
          checks=[Check("test_a_scaler_pickles_between_iterations")],
@@ -304,9 +314,9 @@ KNOWN_BUGS = [
                  "copy.deepcopy / torch.save(scaler) raise TypeError: cannot pickle 'ProcessGroup' object, where "
                  "torch.amp.GradScaler pickles between iterations (torch and fairscale alike)"),
          title="does not pickle once it holds a process group (the default does, if imported after init)",
-         reach=Reach(EVERY_RUN, "no overflow: every pickle, deepcopy or torch.save of the scaler object when it "
-                                "holds a process group (given one, or its module imported after "
-                                "init_process_group)")),
+         reach=Reach(NOT_NEEDED, "Pickle, deepcopy or torch.save of the scaler object itself when it holds a process "
+                                 "group (given one, or its module imported after init_process_group). Rare: "
+                                 "checkpoints save scaler.state_dict(), which pickles; maintainers will say so")),
     _bug("sharded-cpu-scale-grows-to-inf", {"fairscale_sharded", "torch_sharded"},
          checks=[Check(("test_growth_never_overflows_to_inf", "test_every_sequence_of_calls_follows_the_contract",
                   "test_every_sequence_on_a_mesh_follows_the_contract"), placement=SCALE_ON_CPU)],
@@ -314,10 +324,11 @@ KNOWN_BUGS = [
                  "check of torch._amp_update_scale_: float32 max * growth_factor becomes inf, then every step "
                  "overflows and backs off from inf forever (torch and fairscale alike)"),
          title="scale on CPU grows to inf (no isfinite check), then every step is skipped",
-         reach=Reach(REACHABLE, "no overflow: the scale itself becomes inf in a run whose loss and grads stay "
-                                "finite at a scale of 2**127 (bf16 or fp32 compute; in fp16 the backward overflows "
-                                "first). The file's real run: FSDP1 bf16 from 2**124, growth_interval 1. With the "
-                                "defaults that takes 224,000 overflow-free steps", run="--real-overflow")),
+         reach=Reach(NOT_NEEDED, "A scale on CPU (FSDP CPU offload with the loss on CPU) that keeps growing: in bf16 "
+                                 "or fp32 compute the loss and grads stay finite at 2**127 (in fp16 the backward "
+                                 "overflows first). Rare: with the defaults that takes 224,000 overflow-free steps; "
+                                 "the file's real run starts from 2**124 with growth_interval 1",
+                                 run="--real-overflow")),
     _bug("fairscale-cpu-found-inf-not-agreed", {"fairscale_sharded"},
          # the matrix and the sequences show it where they run race-free (a GPU machine: expectations rule 2); the
          # matrix's cells: CPU-offloaded grads of 2 or more ranks, an inf injected on one
@@ -331,10 +342,10 @@ KNOWN_BUGS = [
                  "away (v_on_cuda.cpu()): with CPU grads an inf on one rank makes only that rank skip (each "
                  "optimizer on its own), and the ranks' scales diverge"),
          title="CPU found_inf all-reduced on a copy that is thrown away",
-         reach=Reach(REACHABLE, "torch FSDP1 CPUOffload fp16 on 2 gloo ranks sharing a GPU, the loss moved to the "
-                                "CPU params (fairscale #421's path): the scaled backward overflows in one output "
-                                "unit's weight row, which after the reduce-scatter lies in one rank's CPU shard "
-                                "only", run="--real-overflow"),
+         reach=Reach(NEEDED, "Fairscale's scaler with CPU grads (FSDP CPU offload) at 2 or more ranks, an overflow "
+                             "in one rank's shard only (shown: torch FSDP1 CPUOffload fp16 on 2 gloo ranks, the loss "
+                             "moved to the CPU params as in fairscale #421). Common in fairscale CPU-offload "
+                             "training, whose first steps overflow routinely", run="--real-overflow"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     _bug("fairscale-backoff-only-if-exactly-one", {"fairscale_sharded"},
          checks=[Check("test_two_optimizers_skip_independently_back_off_once", placement=SCALE_ON_CPU,
@@ -343,10 +354,10 @@ KNOWN_BUGS = [
          reason=("fairscale _amp_update_scale_cpu_ (scale on CPU) backs off only if found_inf == 1.0; two "
                  "optimizers that both saw inf, or an inf on two devices, sum to 2.0 and the scale grows instead"),
          title="backs off only if found_inf == 1.0: two optimizers' (or devices') 2.0 grows the scale",
-         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), one optimizer per layer, fp16 "
-                                "autocast at the default init_scale 2**16: the scaled backward overflows by itself "
-                                "into both layers' grads, found_inf sums to 2.0 and the scale grows",
-                     run="--real-overflow"),
+         reach=Reach(NEEDED, "Fairscale's scaler with its scale on CPU and two optimizers (or two grad devices) that "
+                             "overflow in one step (shown: a CPU model on a CUDA machine, one optimizer per layer, "
+                             "fp16 autocast at init_scale 2**16). Uncommon: the scale is on CPU only on fairscale's "
+                             "CPU-offload path", run="--real-overflow"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     _bug("fairscale-rank-without-grads", {"fairscale_sharded"},
          checks=[Check("test_rank_without_grads_takes_part")],
@@ -354,9 +365,9 @@ KNOWN_BUGS = [
                  "inf checks were recorded for this optimizer' while the others wait in all_reduce (fixed in torch "
                  "by pytorch#99174, never in fairscale)"),
          title="a rank without grads raises while the others wait",
-         reach=Reach(EVERY_RUN, "no overflow: every step on which a rank's optimizer holds no grad (frozen params "
-                                "sharded so that one rank holds only frozen ones, as in pytorch#99174; an unused "
-                                "branch)"),
+         reach=Reach(NOT_NEEDED, "A step on which one rank's optimizer holds no grad: frozen params sharded so that "
+                                 "one rank holds only frozen ones (pytorch#99174), an unused branch. Uncommon: "
+                                 "fine-tuning with frozen layers is where it shows"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     _bug("fairscale-state-dict-after-backoff", {"fairscale_sharded"},
          # the matrix's: fairscale FSDP with CPU offload and the loss moved to the CPU params (as in fairscale
@@ -371,9 +382,10 @@ KNOWN_BUGS = [
                  "(and _get_growth_tracker()) then raises AttributeError: 'int' object has no attribute 'item' "
                  "(fairscale FSDP CPU-offload training with the loss on the CPU params too)"),
          title="state_dict() raises after a backoff, scale on CPU",
-         reach=Reach(REACHABLE, "a CPU model on a CUDA machine (the scale on CPU), fp16 autocast at the default "
-                                "init_scale: the scaled backward overflows by itself, the scale backs off, and "
-                                "state_dict() raises", run="--real-overflow"),
+         reach=Reach(NEEDED, "Fairscale's scaler with its scale on CPU, after its first backoff (shown: a CPU model "
+                             "on a CUDA machine, fp16 autocast at the default init_scale; and fairscale FSDP CPU "
+                             "offload with the loss on the CPU params). Common on that path: the first checkpoint "
+                             "after the first overflow raises", run="--real-overflow"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda",
          precedes={"fairscale-fsdp-mixed-precision-grads"}),
     _bug("fairscale-update-new-scale-cpu-tensor", {"fairscale_sharded"},
@@ -381,8 +393,8 @@ KNOWN_BUGS = [
          reason=("fairscale ShardedGradScaler.update(new_scale=tensor) asserts a torch.cuda.FloatTensor, so a CPU "
                  "tensor for a scale that lives on CPU is refused"),
          title="update(new_scale=CPU tensor) refused",
-         reach=Reach(EVERY_RUN, "no overflow: every call update(new_scale=<a CPU tensor>) on a scaler whose scale "
-                                "lives on CPU"),
+         reach=Reach(NOT_NEEDED, "A call update(new_scale=<a CPU tensor>) on a scaler whose scale lives on CPU. "
+                                 "Rare: most callers pass a float"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda",
          precedes={"amp-update-one-element-new-scale"}),  # its assertion refuses the tensor before the copy
     _bug("torch-sharded-collective-per-device", {"torch_sharded"},
@@ -390,8 +402,9 @@ KNOWN_BUGS = [
          reason=("torch ShardedGradScaler issues one all_reduce per device holding grads: a rank with grads on CPU "
                  "and CUDA makes two collectives, a rank without grads one, and the group hangs"),
          title="one collective per grad device: CPU+CUDA grads vs a rank without grads hang",
-         reach=Reach(EVERY_RUN, "no overflow: every step on which the ranks' sets of grad devices differ (one rank "
-                                "with grads on CPU and CUDA, partial offload; another with none this step)"),
+         reach=Reach(NOT_NEEDED, "A step on which the ranks' sets of grad devices differ: one rank with grads on CPU "
+                                 "and CUDA (partial offload), another with none. Rare: partial offload with a rank "
+                                 "that has no grads that step"),
          beats_race=True, needs="cuda"),
     _bug("async-copy-race-busy-gpu", {"torch_amp", "torch_sharded"},
          checks=[Check("test_busy_gpu_cpu_grads_are_unscaled_and_checked", placement=CPU_GRADS_CUDA_SCALE)],
@@ -400,10 +413,10 @@ KNOWN_BUGS = [
                  "zeroed or an inf is missed. Bites real loops that queue GPU work between backward and "
                  "unscale_/step"),
          title="non_blocking CPU copies of inv_scale/found_inf read before they land (busy GPU)",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a CPU-offload loop with the scale on CUDA that queues "
-                                "GPU work between backward and unscale_/step may read the copies before they land "
-                                "(a real FSDP1 CPUOffload fp16 loop with one queued matmul lost 3 to 7 of 20 clean "
-                                "steps); timing-dependent, so the suite keeps the GPU busy to show it"),
+         reach=Reach(NOT_NEEDED, "A CPU-offload loop with the scale on CUDA that queues GPU work between backward "
+                                 "and unscale_/step. Timing-dependent: a real FSDP1 CPUOffload fp16 loop with one "
+                                 "queued matmul lost 3 to 7 of 20 clean steps; with an idle GPU the copy usually "
+                                 "lands first"),
          needs="cuda", comment_on="pytorch-pr-176429"),
     # ---- meshes (test_meshes.py, and the sequences on a mesh)
     _bug("torch-amp-mesh-sequences", {"torch_amp"},
@@ -414,8 +427,9 @@ KNOWN_BUGS = [
                  "so part of the mesh skips while the rest steps (dtensor-found-inf-first-grad-placements)"),
          title="DTensor grads on a mesh: call sequences reach fp16 refusal or a part-mesh skip, whichever comes "
                "first",
-         reach=Reach(REACHABLE, "as its parts; dtensor-found-inf-first-grad-placements shows a real overflow "
-                                "(torch-amp-refuses-fp16-grads needs none)", run="--real-overflow"),
+         reach=Reach(NEEDED, "As its parts: dtensor-found-inf-first-grad-placements shows a real overflow; "
+                             "torch-amp-refuses-fp16-grads needs none. Uncommon: torch.amp.GradScaler with DTensor "
+                             "grads on a 2-D mesh", run="--real-overflow"),
          standalone="dtensor-found-inf-first-grad-placements"),
     _bug("dtensor-mixed-with-tensor-grads", {"torch_amp", "torch_sharded"},
          checks=[Check("test_every_rank_of_the_mesh_takes_the_same_decision", order=holding("plain"))],
@@ -425,9 +439,9 @@ KNOWN_BUGS = [
                  "which DTensor dispatch refuses: RuntimeError: ... got mixed torch.Tensor and DTensor, need to "
                  "convert all torch.Tensor to DTensor"),
          title="DTensor and plain tensor grads in one optimizer: the unscale kernel call raises",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard or tensor "
-                                "parallelism, its plain and DTensor params in one optimizer (the file's run: "
-                                "fully_shard on the body only)"),
+         reach=Reach(NOT_NEEDED, "A model only partly under fully_shard or tensor parallelism, its plain and DTensor "
+                                 "params in one optimizer (the file's run: fully_shard on the body only). Uncommon, "
+                                 "and arguably unsupported: wrapping scaler.step in implicit_replication() avoids it"),
          needs="dtensor"),
     _bug("dtensor-found-inf-first-grad-placements", {"torch_amp"},
          checks=[Check("test_every_rank_of_the_mesh_takes_the_same_decision", bad=other_than(None),
@@ -439,9 +453,10 @@ KNOWN_BUGS = [
                  "on a sub-mesh first in the optimizer, an inf anywhere else is seen by part of the mesh only, "
                  "which skips while the rest steps"),
          title="DTensor grads: found_inf reduced along the first grad's sharded mesh dims only",
-         reach=Reach(REACHABLE, "FSDP2 over dp on top of tensor parallelism: the scaled backward overflows fp16 "
-                                "only in one tp rank's colwise rows, the TP-replicated bias first in the "
-                                "optimizer; the ranks of the other tp column step", run="--real-overflow"),
+         reach=Reach(NEEDED, "FSDP2 over dp on top of tensor parallelism, torch.amp.GradScaler, a TP-replicated "
+                             "param (a norm or bias) first in the optimizer, an overflow in one tp rank's shard only "
+                             "(shown: fp16, the overflow in one tp rank's colwise rows). Uncommon: 2-D parallelism "
+                             "with a no-decay group put first", run="--real-overflow"),
          needs="dtensor"),
     # the same handler under FSDP2 HSDP: a verdict of its own, since only an injection gets there
     _bug("dtensor-found-inf-hsdp-one-replica", {"torch_amp"},
@@ -453,11 +468,11 @@ KNOWN_BUGS = [
                  "training makes does not get there: FSDP2 all-reduces grads across replicas, so every replica "
                  "sees it"),
          title="FSDP2 HSDP: an inf in one replica's reduced grads skips that replica only (injection only)",
-         reach=Reach(INJECTION_ONLY, "FSDP2 all-reduces grads across the replicate dim after the reduce-scatter, "
-                                     "so an overflow born in one replica reaches every replica's shard and every "
-                                     "rank skips (a real run confirms it). A job gets here only if its grads "
-                                     "differ across replicas after the reduction: a hook that writes grads after "
-                                     "it, stepping with set_requires_all_reduce(False), a fault in one replica"),
+         reach=Reach(INJECTION_ONLY, "FSDP2 all-reduces grads across the replicate dim after the reduce-scatter, so "
+                                     "an overflow born in one replica reaches every replica and every rank skips (a "
+                                     "real run confirms it). A job gets here only if its grads differ across "
+                                     "replicas after the reduction: a hook that writes grads after it, "
+                                     "set_requires_all_reduce(False), a fault in one replica"),
          standalone="dtensor-found-inf-first-grad-placements"),
     _bug("fairscale-cpu-found-inf-not-agreed-dtensor", {"fairscale_sharded"},
          # placement None: the check has no placement param, its mesh is on CPU
@@ -470,9 +485,9 @@ KNOWN_BUGS = [
                  "and backs off, whatever the mesh dim, the placement or the param order (seen on torch 2.11, one "
                  "GPU)"),
          title="DTensor grads on CPU: found_inf never agreed; only the rank whose shard overflowed skips",
-         reach=Reach(REACHABLE, "FSDP2 on a 1D CPU mesh of 2 ranks, fp16 autocast, fairscale's scaler on a CUDA "
-                                "machine: the scaled backward overflows only in rows that the reduce-scatter hands "
-                                "to rank 1", run="--real-overflow"),
+         reach=Reach(NEEDED, "Fairscale's scaler with DTensor grads on CPU (FSDP2 on a CPU mesh) on a CUDA machine, "
+                             "an overflow in one rank's shard only (shown: FSDP2 on a 1D CPU mesh of 2 ranks, fp16 "
+                             "autocast). Rare, and unsupported: fairscale predates DTensor", run="--real-overflow"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     _bug("fairscale-dtensor-mixed-with-tensor-grads", {"fairscale_sharded"},
          checks=[Check("test_every_rank_of_the_mesh_takes_the_same_decision", placement="cuda",
@@ -483,8 +498,9 @@ KNOWN_BUGS = [
                  "raises RuntimeError: ... got mixed torch.Tensor and DTensor (its CPU grads go through a "
                  "per-tensor Python loop, which does not; seen on torch 2.11, one GPU)"),
          title="DTensor and plain tensor grads on CUDA in one optimizer: the unscale kernel call raises",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a model only partly under fully_shard on CUDA, its "
-                                "plain and DTensor params in one optimizer"),
+         reach=Reach(NOT_NEEDED, "Fairscale's scaler with a model only partly under fully_shard on CUDA, its plain "
+                                 "and DTensor params in one optimizer. Rare, and unsupported: fairscale predates "
+                                 "DTensor"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     # ---- the FSDP-vs-DDP matrix (tests/matrix)
     _bug("torch-sharded-fused-adamw-after-unscale", {"torch_sharded"},
@@ -496,9 +512,9 @@ KNOWN_BUGS = [
                  "fused kernel's _foreach_sub_ into the shape-[] step counter raises RuntimeError: output with "
                  "shape [] doesn't match the broadcast shape [1]"),
          title="fused AdamW after unscale_ (clipping): found_inf of shape [1] crashes the step",
-         reach=Reach(EVERY_RUN, "no overflow: every step of fused Adam, AdamW or Adagrad after an explicit "
-                                "unscale_ (clipping), from the first, clean one (FSDP1 fp16 on 2 ranks raises at "
-                                "step 1 too)"),
+         reach=Reach(NOT_NEEDED, "ShardedGradScaler with fused Adam, AdamW or Adagrad and an explicit unscale_ "
+                                 "(gradient clipping): every step raises, the first, clean one included. Common: "
+                                 "clipping with fused AdamW under FSDP"),
          comment_on="pytorch-140514",
          precedes={"amp-hands-fused-a-device-sum", "fairscale-fsdp-mixed-precision-grads",
                    "torch-sharded-cpu-unscale-found-inf-shape"}),  # the first step raises
@@ -510,9 +526,9 @@ KNOWN_BUGS = [
                  "explicit unscale_; Adam, AdamW and Adagrad crash before, on the sum's shape: "
                  "torch-sharded-fused-adamw-after-unscale)"),
          title="explicit unscale_: found_inf summed over ranks (2.0) makes a fused optimizer step on NaN",
-         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks at the default scale: the scaled backward overflows in "
-                                "both ranks' shards, unscale_ sums found_inf to 2.0, fused SGD applies the update",
-                     run="--real-overflow"),
+         reach=Reach(NEEDED, "ShardedGradScaler with fused SGD and an explicit unscale_, an overflow on 2 or more "
+                             "ranks in one step (shown: FSDP1 fp16 on 2 gloo ranks at the default scale). Uncommon: "
+                             "fused SGD with clipping", run="--real-overflow"),
          precedes={"fused-sgd-skipped-first-step"}),  # the check sees the sum first
     _bug("amp-hands-fused-a-device-sum", {"torch_amp", "torch_sharded"},
          checks=[Check("test_an_overflow_skips_a_fused_optimizer_exactly",
@@ -523,8 +539,8 @@ KNOWN_BUGS = [
                  "gets 2.0 and applies the inf/NaN update (found by the race-free runs of the mixed placement, "
                  "torch 2.11 on one GPU; torch ShardedGradScaler inherits the step)"),
          title="grads on two devices that both overflow: found_inf summed to 2.0, a fused optimizer steps on NaN",
-         reach=Reach(INJECTION_ONLY, "shown with an inf written into a grad on each device; real training gets "
-                                     "there only where one optimizer holds grads on CPU and on CUDA (some params "
+         reach=Reach(INJECTION_ONLY, "Shown with an inf written into a grad on each device; real training gets there "
+                                     "only where one optimizer holds grads on CPU and on CUDA (some params "
                                      "offloaded, some not) and both overflow in one step, which no run here has "
                                      "shown yet"),
          standalone="torch-sharded-hands-fused-a-sum"),
@@ -537,9 +553,10 @@ KNOWN_BUGS = [
                  "deterministic mode, garbage otherwise). torch.amp.GradScaler and torch's ShardedGradScaler leave "
                  "the skip to the kernel"),
          title="fused SGD: a skipped first step leaves the momentum buffer uninitialised; the next step applies it",
-         reach=Reach(REACHABLE, "fp16 autocast at the default init_scale 65536: the first scaled backward "
-                                "overflows by itself, the next are clean, and fused SGD ends all NaN",
-                     run="--real-overflow")),
+         reach=Reach(NEEDED, "Fused SGD with momentum whose first step overflows, as fp16 training at the default "
+                             "init_scale 65536 does routinely: the next step applies uninitialised momentum (shown: "
+                             "the first scaled backward overflows by itself, fused SGD ends all NaN). Common for "
+                             "fused SGD in fp16", run="--real-overflow")),
     _bug("torch-sharded-cpu-unscale-found-inf-shape", {"torch_sharded"},
          checks=[Check("test_fsdp_matches_ddp", optimizer="adamw", clip="noclip",
                        placement=("cpu", "cpu_loss", "offload")),
@@ -554,8 +571,9 @@ KNOWN_BUGS = [
                  "match the broadcast shape [1] (seen on 2.4.0 and 2.4.1; 2.5.1 has the same code, 2.6.0 unscales "
                  "CPU grads with torch._amp_foreach_non_finite_check_and_unscale_)"),
          title="CPU grads: an inf turns found_inf into shape [1], fused AdamW raises at the first overflow",
-         reach=Reach(REACHABLE, "torch < 2.6: FSDP1 fp16 on CPU at the default scale, whose first scaled backward "
-                                "overflows by itself, with fused AdamW", run="--real-overflow"),
+         reach=Reach(NEEDED, "Torch < 2.6 only: ShardedGradScaler with CPU grads and fused AdamW, at the first "
+                             "overflow (shown: FSDP1 fp16 on CPU at the default scale, whose first backward "
+                             "overflows by itself). Common on those versions for that setup", run="--real-overflow"),
          torch="<2.6",
          # precedes: on torch < 2.6 the first overflow raises
          precedes={"fairscale-fsdp-mixed-precision-grads", "torch-sharded-fused-adamw-no-agreement"}),
@@ -570,9 +588,11 @@ KNOWN_BUGS = [
                  "HSDP that handler reduces along the shard dim only (dtensor-found-inf-first-grad-placements), so "
                  "one replica skips"),
          title="fused AdamW: found_inf never agreed across ranks",
-         reach=Reach(REACHABLE, "FSDP1 fp16 on 2 gloo ranks: the scaled backward overflows in one output unit's "
-                                "weight row, in one rank's shard after the reduce-scatter. Its FSDP2 HSDP cells "
-                                "are injection only (see dtensor-found-inf-hsdp-one-replica)", run="--real-overflow")),
+         reach=Reach(NEEDED, "ShardedGradScaler with fused AdamW under FSDP1 at 2 or more ranks, an overflow in one "
+                             "rank's shard only (shown: FSDP1 fp16 on 2 gloo ranks, the overflow in one output "
+                             "unit's weight row); its FSDP2 HSDP cells are injection only "
+                             "(dtensor-found-inf-hsdp-one-replica). Common: fused AdamW is the default choice for "
+                             "speed", run="--real-overflow")),
     _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"},
          # the protocol check: an optimizer whose step() takes no grad_scaler gets it all the same
          checks=[Check("test_an_overflow_skips_a_fused_optimizer_exactly", fused=ON_FUSED_PATH),
@@ -582,7 +602,8 @@ KNOWN_BUGS = [
                  "scaling (every fused one: Adam, AdamW, SGD, Adagrad), whose step() no longer takes it: "
                  "TypeError: Adam.step() got an unexpected keyword argument 'grad_scaler'"),
          title="fused AdamW: TypeError on the grad_scaler keyword",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a fused optimizer"),
+         reach=Reach(NOT_NEEDED, "Fairscale's scaler with any fused optimizer: every step raises TypeError. "
+                                 "Uncommon, and arguably unsupported: fairscale predates torch's fused optimizers"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda",
          precedes={"fairscale-cpu-found-inf-not-agreed", "fairscale-fsdp-mixed-precision-grads",
                    "fairscale-state-dict-after-backoff"}),  # the first step raises
@@ -598,8 +619,9 @@ KNOWN_BUGS = [
                  "natural-overflow cell) and fused AdamW reject them: 'Tensors of the same index must be on the "
                  "same device and the same dtype'"),
          title="fairscale FSDP mixed precision, world size 1: fp16/bf16 grads on fp32 params",
-         reach=Reach(EVERY_RUN, "no overflow: every step of fairscale FSDP mixed precision without offload at "
-                                "world size 1 (flatten_parameters=False, or fused AdamW)"),
+         reach=Reach(NOT_NEEDED, "Fairscale FSDP mixed precision without offload at world size 1, with "
+                                 "flatten_parameters=False or fused AdamW: every step. Rare: single-rank fairscale "
+                                 "FSDP"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
     _bug("fsdp1-keeplow-offload-grad-dtype", EVERY_SCALER,
          # HYBRID_SHARD (an hsdp cell that reshards) trains through
@@ -614,9 +636,9 @@ KNOWN_BUGS = [
                  "2.15.0). HYBRID_SHARD trains through (an hsdp cell, torch 2.11, H100); _HYBRID_SHARD_ZERO2 "
                  "raises as FULL_SHARD and SHARD_GRAD_OP do"),
          title="FSDP1 keep_low_precision_grads + CPUOffload: the backward after zero_grad() raises",
-         reach=Reach(EVERY_RUN, "no overflow, no scaler: the second backward of every FSDP1 "
-                                "keep_low_precision_grads + CPUOffload run that zeroes grads with set_to_none=True "
-                                "(the default)"),
+         reach=Reach(NOT_NEEDED, "FSDP1 keep_low_precision_grads with CPUOffload, grads zeroed with set_to_none=True "
+                                 "(the default): the second backward raises, with or without a scaler. Uncommon: "
+                                 "keep_low_precision_grads is opt-in"),
          beats_race=True, needs="cuda",
          precedes={"fairscale-cpu-found-inf-not-agreed"}),  # the second backward raises
     _bug("fairscale-busy-gpu", {"fairscale_sharded"},
@@ -628,9 +650,9 @@ KNOWN_BUGS = [
                  "grads are zeroed (the async-copy race of async-copy-race-busy-gpu), and on 2 ranks it never "
                  "agrees on a CPU found_inf (fairscale-cpu-found-inf-not-agreed)"),
          title="busy GPU: CPU grads zeroed by the async-copy race; on 2 ranks, no agreement either",
-         reach=Reach(EVERY_RUN, "no overflow: every step of a loop with the scale on CUDA and the grads on CPU "
-                                "(FSDP CPU offload) that queues GPU work between backward and scaler.step may read "
-                                "the copy before it lands (19 of 20 clean trials zeroed the CPU grads)"),
+         reach=Reach(NOT_NEEDED, "Fairscale's scaler with the scale on CUDA and grads on CPU (FSDP CPU offload) in a "
+                                 "loop that queues GPU work between backward and scaler.step. Timing-dependent: 19 "
+                                 "of 20 clean trials zeroed the CPU grads with the GPU kept busy"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
 ]
 assert len({bug.id for bug in KNOWN_BUGS}) == len(KNOWN_BUGS), "two KNOWN_BUGS entries share an id"

@@ -196,7 +196,8 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
             flag = "" if mode == PLAIN else f" --{mode}"
             lines += [f"On torch {r['torch']} ({'CPU' if r['device'] == 'cpu' else r['device'].replace('_', ' ')}):",
                       "", "```", f"$ python {stem}.py{flag}", r["output"], "$ echo $?", str(r["status"]), "```", ""]
-    lines += ["## Can real training hit it?", "", f"**{bug.reach.kind}**: {bug.reach.how}."
+    lines += ["## Can real training hit it?", "", f"- Overflow: **{bug.reach.overflow}**.",
+              f"- Setups: {bug.reach.setups}."
               + (f" Shown by `python {stem}.py {bug.reach.run}`." if bug.reach.run else ""), "",
               "## Root cause", "", _sentence(d.sections["Root cause"]), "",
               "## Proposed fix", "", _sentence(d.sections["Fix"]) + ("" if "--with-fix" in d.sections["Fix"] else

@@ -68,7 +68,7 @@ def test_rows_are_data_and_render_is_markdown():
     assert r.repro == ("tests/repro/test_a.py", "tests/repro/test_b.py")  # its own case first
     line = bugtable.render([r]).splitlines()[2]
     assert line.startswith(f"| [`{bug.id}`](docs/bugs.md#{bug.id}) | {bug.title} | {bugtable.EVERY_SCALER} |")
-    assert (f"| {bug.reach.kind} | [`{bug.standalone_file}.py`]"
+    assert (f"| {bug.reach.overflow} | [`{bug.standalone_file}.py`]"
             f"(fsdp_amp_suite/repro/standalone/{bug.standalone_file}.py)" in line)
     row = bugtable.Row("x", "a | b", ("ours",), "<2.6", "", (), "reachable",
                        "fsdp_amp_suite/repro/standalone/x.py", "docs/upstream/x.md")
@@ -102,7 +102,7 @@ def test_each_section_says_whether_real_training_reaches_it_and_names_its_standa
     doc = DOC.read_text(encoding="utf-8")
     for bug in KNOWN_BUGS:
         section = " ".join(doc.split(f"\n## {bug.id}\n", 1)[1].split("\n## ", 1)[0].split())
-        assert f"- Real training: **{bug.reach.kind}**." in section, f"docs/bugs.md ## {bug.id}: its reach"
+        assert f"- Real training: **{bug.reach.overflow}**." in section, f"docs/bugs.md ## {bug.id}: its reach"
         assert f"`python {STANDALONE_DIR}/{bug.standalone_file}.py`" in section, f"docs/bugs.md ## {bug.id}: its file"
 
 

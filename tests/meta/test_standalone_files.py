@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from fsdp_amp_suite.expectations import NEEDS, BugShown
-from fsdp_amp_suite.known_bugs import EVERY_RUN, INJECTION_ONLY, KNOWN_BUGS, REACHABLE, STANDALONE_DIR, standalone_files
+from fsdp_amp_suite.known_bugs import INJECTION_ONLY, KNOWN_BUGS, NEEDED, NOT_NEEDED, STANDALONE_DIR, standalone_files
 from fsdp_amp_suite.upstream import reports
 from fsdp_amp_suite.upstream.runs import ROOT, modes, path_of, verdict
 
@@ -74,12 +74,19 @@ def test_entries_sharing_a_file_agree_on_versions_and_needs():
         assert shown[0].needs in ("", *NEEDS), f"{stem}: needs={shown[0].needs!r} is no NEEDS key"
 
 
+COMMONNESS = ("Common", "Uncommon", "Rare", "Timing-dependent")  # words a reach's setups says how common it is by
+
+
 def test_every_entry_says_whether_real_training_reaches_it():
+    """Two fields: whether an overflow is needed, and the setups with how common they are (or, injection only,
+    why training does not get there); an overflow that real training makes is shown by a real-training run."""
     for bug in KNOWN_BUGS:
-        assert bug.reach and bug.reach.kind in (REACHABLE, EVERY_RUN, INJECTION_ONLY), bug.id
-        assert bug.reach.how.strip(), f"{bug.id}: a reach without its evidence or reason"
-        if bug.reach.kind == REACHABLE:
-            assert bug.reach.run.startswith("--"), f"{bug.id}: reachable, but no real-training run shows it"
+        assert bug.reach and bug.reach.overflow in (NEEDED, NOT_NEEDED, INJECTION_ONLY), bug.id
+        assert bug.reach.setups.strip(), f"{bug.id}: a reach without its setups"
+        if bug.reach.overflow == NEEDED:
+            assert bug.reach.run.startswith("--"), f"{bug.id}: an overflow reaches it, but no real run shows it"
+        if bug.reach.overflow != INJECTION_ONLY:
+            assert any(word in bug.reach.setups for word in COMMONNESS), f"{bug.id}: its setups do not say how common"
 
 
 def test_the_reports_are_current():
