@@ -38,6 +38,9 @@ NEEDS = {
     "no-cuda": lambda m: "shows only on a machine without CUDA (torch sees a GPU here)" if m.cuda else None,
     "dtensor": lambda m: (versions.DTENSOR_REASON if versions.holds(torch=versions.DTENSOR_TORCH, on=m.versions)
                           else None),
+    "torch>=2.6": lambda m: ("needs torch >= 2.6: before it a fused step raises first on found_inf's shape [1] "
+                             "(torch-sharded-cpu-unscale-found-inf-shape)"
+                             if versions.holds(torch="<2.6", on=m.versions) else None),
 }
 
 

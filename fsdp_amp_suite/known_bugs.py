@@ -592,7 +592,8 @@ KNOWN_BUGS = [
                              "rank's shard only (shown: FSDP1 fp16 on 2 gloo ranks, the overflow in one output "
                              "unit's weight row); its FSDP2 HSDP cells are injection only "
                              "(dtensor-found-inf-hsdp-one-replica). Common: fused AdamW is the default choice for "
-                             "speed", run="--real-overflow")),
+                             "speed", run="--real-overflow"),
+         needs="torch>=2.6"),
     _bug("fairscale-fused-optimizer-kwarg", {"fairscale_sharded"},
          # the protocol check: an optimizer whose step() takes no grad_scaler gets it all the same
          checks=[Check("test_an_overflow_skips_a_fused_optimizer_exactly", fused=ON_FUSED_PATH),

@@ -33,6 +33,7 @@ from fsdp_amp_suite.known_bugs import STANDALONE_DIR, KnownBug, bug_by_id, stand
 from fsdp_amp_suite.upstream.runs import PLAIN, ROOT, SKIP_STATUS, modes, path_of, run_file
 
 RUNS = ROOT / "docs" / "upstream" / "runs.json"
+ENVS = ROOT / "docs" / "upstream" / "collect_env"  # one collect_env output per (torch, device) that ran the files
 COMMENTS = ROOT / "docs" / "upstream" / "comments"  # hand-written: the new evidence only, for the thread's readers
 SECTIONS = ("Root cause", "Fix", "Related")
 
@@ -97,6 +98,7 @@ def _versions_of(python: str) -> tuple:
 def as_record(stem: str, mode: str, proc, python: str = sys.executable) -> dict:
     versions = _versions_of(python)
     return {"file": stem, "mode": mode, "torch": versions[0], "fairscale": versions[1], "device": versions[2],
+            "python": versions[3],
             "status": proc.returncode, "output": proc.stdout.strip() or proc.stderr.strip()[-2000:]}
 
 
@@ -107,10 +109,27 @@ def record(stem: str, mode: str, proc, directory: Path) -> None:
     (directory / f"{stem}-{mode}.json").write_text(json.dumps(as_record(stem, mode, proc)), encoding="utf-8")
 
 
-_VERSIONS = ("import importlib.metadata as m, torch\n"
+_VERSIONS = ("import importlib.metadata as m, platform, torch\n"
              "try: fs = m.version('fairscale')\nexcept m.PackageNotFoundError: fs = '-'\n"
              "print(torch.__version__, fs, torch.cuda.get_device_name(0).replace(' ', '_') "
-             "if torch.cuda.is_available() else 'cpu')")
+             "if torch.cuda.is_available() else 'cpu', platform.python_version())")
+
+
+def env_path(torch_version: str, device: str) -> Path:
+    """Where the collect_env output of an interpreter with this torch on this device is kept."""
+    return ENVS / f"{torch_version}_{device}.txt"
+
+
+def record_env(python: str = sys.executable) -> Path:
+    """`python -m torch.utils.collect_env` of an interpreter, kept for the reports (env_path)."""
+    torch_version, _, device, _ = _versions_of(python)
+    with tempfile.TemporaryDirectory() as cwd:
+        out = subprocess.run([python, "-m", "torch.utils.collect_env"], cwd=cwd, capture_output=True, text=True,
+                             check=True).stdout
+    path = env_path(torch_version, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out.strip() + "\n", encoding="utf-8")
+    return path
 
 
 def expected_status(stem: str, record: dict) -> int:
@@ -160,32 +179,64 @@ def table(runs: list[dict]) -> str:
 
 # --------------------------------------------------------------------------------------------- reports
 
+def _device(device: str) -> str:
+    return "CPU" if device == "cpu" else device.replace("_", " ")
+
+
+def _torch_key(version: str):
+    return Version(version.split("+")[0])
+
+
+def versions_table(stem: str, runs: list[dict]) -> list[str]:
+    """One row per (torch, device) that ran the file: the Python version and each mode's exit status (1: the bug
+    shows, 0: it does not, 77: this machine cannot run it). Empty where nothing was recorded."""
+    at = {}
+    for r in runs:
+        at.setdefault((r["torch"], r["device"]), {})[r["mode"]] = r
+    if not at:
+        return []
+    file_modes = modes(standalone_files()[stem])
+    lines = ["| torch | device | python | " + " | ".join("plain" if m == PLAIN else f"`--{m}`" for m in file_modes)
+             + " |", "|---|---|---|" + "---|" * len(file_modes)]
+    for torch_version, device in sorted(at, key=lambda k: (_torch_key(k[0]), k[1])):
+        row = at[(torch_version, device)]
+        python = next((r["python"] for r in row.values() if r.get("python")), "not recorded")
+        cells = [str(row[m]["status"]) if m in row else "" for m in file_modes]
+        lines.append(f"| {torch_version} | {_device(device)} | {python} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def newest_env(runs: list[dict]) -> tuple | None:
+    """(torch, device) of the newest torch that ran the file, not skipping it (77), and has its collect_env kept
+    (env_path)."""
+    kept = [(r["torch"], r["device"]) for r in runs
+            if r["status"] != SKIP_STATUS and env_path(r["torch"], r["device"]).exists()]
+    return max(kept, key=lambda k: (_torch_key(k[0]), k[1] != "cpu")) if kept else None
+
+
 def report(bug: KnownBug, runs: list[dict]) -> str:
     """The Markdown report of one entry."""
     stem = bug.standalone_file
     d = doc(stem)
     mine = [r for r in runs if r["file"] == stem]
-    seen = sorted({(r["torch"], r["fairscale"], r["device"]) for r in mine if r["mode"] == PLAIN and r["status"] == 1})
     also = [b.id for b in standalone_files()[stem][1:]]
     lines = [f"# {d.title}", "",
              f"`KNOWN_BUGS` id `{bug.id}`"
              + (f" (the same defect: {', '.join(f'`{a}`' for a in also)})" if also else "")
              + f"; write-up: [docs/bugs.md](../bugs.md#{bug.id}).", "", d.body, "",
-             "## Versions", ""]
-    if seen:
-        lines += [f"- seen on torch {t}"
-                  + (f", fairscale {f}" if f != "-" and "fairscale" in bug.fairscale + stem else "")
-                  + f", {'CPU' if dev == 'cpu' else dev.replace('_', ' ')}" for t, f, dev in seen]
-    else:
-        lines.append("- not yet recorded" + (" on a GPU (the GPU gate records it: `ci/gpu.sh` writes the runs, "
-                     "`python -m fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json "
-                     "--merge OUT/standalone-runs`)"
-                     if bug.needs == "cuda" else
-                     ": `python -m fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json`"))
-    lines += ["- KNOWN_BUGS claims it on " + (f"torch `{bug.torch}`" if bug.torch else
+             "## Versions", "", *versions_table(stem, mine)]
+    lines += ["", "KNOWN_BUGS claims it on " + (f"torch `{bug.torch}`" if bug.torch else
                                                "every supported torch (its code is unchanged in the 2.4.1 .. 2.15.0 "
                                                "sources)")
-              + (f", fairscale `{bug.fairscale}`" if bug.fairscale else ""), "",
+              + (f", fairscale `{bug.fairscale}`" if bug.fairscale else "") + "."]
+    if bug.needs == "cuda" and not any(r["device"] != "cpu" for r in mine):
+        lines.append("Not yet recorded on a GPU (the GPU gate records it: `ci/gpu.sh` writes the runs, `python -m "
+                     "fsdp_amp_suite.upstream.reports --record docs/upstream/runs.json --merge OUT/standalone-runs`).")
+    env = newest_env(mine)
+    if env:
+        lines += ["", f"<details><summary>collect_env of the torch {env[0]} run ({_device(env[1])})</summary>", "",
+                  "```", env_path(*env).read_text(encoding="utf-8").strip(), "```", "", "</details>"]
+    lines += ["",
               "## Reproduce", "", f"`{STANDALONE_DIR}/{stem}.py`, with nothing but torch"
               + (" and fairscale" if "fairscale" in stem else "") + " installed:", "", "```python",
               path_of(stem).read_text(encoding="utf-8").rstrip(), "```", ""]
@@ -218,6 +269,8 @@ def check(directory: Path, runs: list[dict], comments: Path = COMMENTS) -> list[
     out, wanted = [], {f"{bug.id}.md" for bug in reported()}
     for bug in reported():
         path = directory / f"{bug.id}.md"
+        if not any(r["file"] == bug.standalone_file for r in runs):
+            out.append(f"{path}: no recorded run, so no versions table (--record)")
         if not path.exists() or path.read_text(encoding="utf-8") != report(bug, runs):
             out.append(f"{path}: not current")
     out += [f"{path}: no KNOWN_BUGS entry gets this report" for path in sorted(directory.glob("*.md"))
@@ -247,6 +300,8 @@ def main(argv=None) -> int:
         if args.merge:
             new = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(args.merge.glob("*.json"))]
         else:
+            for py in args.python or [sys.executable]:
+                print(f"{record_env(py)}: collect_env kept")
             new = [run(stem, mode, py) for py in args.python or [sys.executable]
                    for stem, shown in standalone_files().items() if not args.only or stem in args.only
                    for mode in modes(shown)]

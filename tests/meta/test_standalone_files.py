@@ -113,6 +113,14 @@ def test_a_duplicate_of_an_open_thread_is_a_comment_draft_not_a_report(tmp_path)
         f"{comments / (bug.comment_on + '.md')}: the comment draft for {bug.id} is missing or does not name it"]
 
 
+def test_a_report_without_recorded_runs_lacks_its_versions_table_and_is_named(tmp_path):
+    bug = reports.reported()[0]
+    runs = [r for r in reports.load_runs() if r["file"] != bug.standalone_file]
+    assert reports.versions_table(bug.standalone_file, []) == []
+    assert f"{tmp_path / (bug.id + '.md')}: no recorded run, so no versions table (--record)" in reports.check(
+        tmp_path, runs)
+
+
 def test_the_recorded_runs_cover_every_report_and_match_known_bugs():
     """Every report of a bug that shows without CUDA has its recorded runs (a CUDA-only one is recorded from the GPU
     gate's runs, --merge, and says so until then), and every recorded status is what KNOWN_BUGS expects."""

@@ -38,8 +38,13 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+
+try:  # torch < 2.5 keeps DTensor private (torch.distributed._tensor) and has no public fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError as exc:
+    print(f"skip: needs torch >= 2.5 (the public DTensor API): {exc}")
+    sys.exit(77)
 
 
 def apply_fix():

@@ -38,9 +38,14 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+
+try:  # torch < 2.5 keeps DTensor private (torch.distributed._tensor) and has no public fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+except ImportError as exc:
+    print(f"skip: needs torch >= 2.5 (the public DTensor API): {exc}")
+    sys.exit(77)
 
 
 def apply_fix():
