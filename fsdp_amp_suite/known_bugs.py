@@ -655,6 +655,18 @@ KNOWN_BUGS = [
                                  "loop that queues GPU work between backward and scaler.step. Timing-dependent: 19 "
                                  "of 20 clean trials zeroed the CPU grads with the GPU kept busy"),
          fairscale=FAIRSCALE_0_4_13, needs="cuda"),
+    # ---- the GPU gate's shared-GPU ranks: no check claims it; the matrix skips those cells on one GPU
+    # (matrix/implementations.py _fsdp2_needs) and runs them on CPU and with a GPU per rank
+    _bug("dtensor-gloo-cuda-all-gather-segfault", EVERY_SCALER,
+         checks=[],
+         reason=("DTensor's functional all-gather (full_tensor, FSDP2's parameter all-gather, clip_grad_norm_ over "
+                 "DTensor grads) over gloo ranks that share one GPU kills both ranks with SIGSEGV, no error raised"),
+         title="DTensor all-gather over gloo ranks sharing a GPU: both ranks die with SIGSEGV",
+         reach=Reach(NOT_NEEDED, "DTensor collectives on CUDA tensors over gloo ranks that share a GPU: FSDP2 "
+                                 "without CPU offload, tensor parallelism. Rare in training, where ranks use NCCL "
+                                 "and a GPU each; common in test harnesses and single-GPU CI that run a world of 2 "
+                                 "on one GPU, as this suite's GPU gate does"),
+         needs="cuda"),
 ]
 assert len({bug.id for bug in KNOWN_BUGS}) == len(KNOWN_BUGS), "two KNOWN_BUGS entries share an id"
 

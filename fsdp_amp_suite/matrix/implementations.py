@@ -156,8 +156,8 @@ FSDP2_CPU_REASON = (f"FSDP2 on CPU needs torch >= 2.7: on torch{FSDP2_CPU_TORCH}
                     f"streams (2.4, 2.5) or CPU stream methods 2.6 lacks (record_event: pytorch/pytorch#145935)")
 
 # FSDP2 with CUDA params over gloo ranks sharing one GPU segfaults in DTensor's functional collectives, in a native
-# thread, in fresh ranks too (python -m benchmarks.shared_gpu trains these cells anyway). Seen on torch 2.11, the only
-# torch run on a GPU here: claimed for every version until one is shown to run it.
+# thread, in fresh ranks too (KNOWN_BUGS dtensor-gloo-cuda-all-gather-segfault; python -m benchmarks.shared_gpu trains
+# these cells anyway). Claimed for every version until a GPU run shows one that works.
 FSDP2_SHARED_GPU_TORCH = ""
 
 
@@ -167,14 +167,14 @@ def _fsdp2_needs(cell, n_gpus):
         return FSDP2_CPU_REASON
     if cell.offload == "nooffload" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
         return (f"FSDP2 with CUDA params at world size {ws} needs NCCL with one GPU per rank: over gloo ranks sharing "
-                f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (seen on torch 2.11; "
-                f"assumed on torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until one runs it); {n_gpus} GPU(s) "
-                "visible")
+                f"a GPU, DTensor's functional collectives (full_tensor, clip_grad_norm_) segfault (KNOWN_BUGS "
+                f"dtensor-gloo-cuda-all-gather-segfault; torch {FSDP2_SHARED_GPU_TORCH or 'of any version'} until a "
+                f"GPU run shows otherwise); {n_gpus} GPU(s) visible")
     if cell.mesh == "tp" and 0 < n_gpus < ws and holds(torch=FSDP2_SHARED_GPU_TORCH):
         return (f"tensor parallelism on CUDA at world size {ws} needs NCCL with one GPU per rank: its activations are "
-                f"CUDA DTensors, and over gloo ranks sharing a GPU the functional collectives segfault (seen on torch "
-                f"2.11: SIGSEGV in full_tensor's wait_tensor, redistributing (_StridedShard, Shard) "
-                f"to Replicate); {n_gpus} GPU(s) visible")
+                f"CUDA DTensors, and over gloo ranks sharing a GPU the functional collectives segfault (KNOWN_BUGS "
+                f"dtensor-gloo-cuda-all-gather-segfault: SIGSEGV in full_tensor's wait_tensor on torch 2.11); "
+                f"{n_gpus} GPU(s) visible")
     return None
 
 
