@@ -30,7 +30,8 @@ from pathlib import Path
 from packaging.version import Version
 
 from fsdp_amp_suite.known_bugs import STANDALONE_DIR, KnownBug, bug_by_id, standalone_files
-from fsdp_amp_suite.upstream.runs import PLAIN, ROOT, SKIP_STATUS, modes, path_of, run_file
+from fsdp_amp_suite.upstream.runs import (MINIMAL, MINIMAL_DIR, PLAIN, ROOT, SKIP_STATUS, minimal_path, modes, path_of,
+                                         run_file)
 
 RUNS = ROOT / "docs" / "upstream" / "runs.json"
 ENVS = ROOT / "docs" / "upstream" / "collect_env"  # one collect_env output per (torch, device) that ran the files
@@ -196,13 +197,29 @@ def versions_table(stem: str, runs: list[dict]) -> list[str]:
     if not at:
         return []
     file_modes = modes(standalone_files()[stem])
-    lines = ["| torch | device | python | " + " | ".join("plain" if m == PLAIN else f"`--{m}`" for m in file_modes)
+    lines = ["| torch | device | python | " + " | ".join(m if m in (PLAIN, MINIMAL) else f"`--{m}`" for m in file_modes)
              + " |", "|---|---|---|" + "---|" * len(file_modes)]
     for torch_version, device in sorted(at, key=lambda k: (_torch_key(k[0]), k[1])):
         row = at[(torch_version, device)]
         python = next((r["python"] for r in row.values() if r.get("python")), "not recorded")
         cells = [str(row[m]["status"]) if m in row else "" for m in file_modes]
         lines.append(f"| {torch_version} | {_device(device)} | {python} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def minimal_section(stem: str, runs: list[dict]) -> list[str]:
+    """The report's first section where the bug has a minimal repro: the file inline, then what the newest recorded
+    run of it that did not skip printed, and its exit status."""
+    if not minimal_path(stem).exists():
+        return []
+    lines = ["## Minimal repro", "", f"`{MINIMAL_DIR}/{stem}.py`, runnable as is:", "", "```python",
+             minimal_path(stem).read_text(encoding="utf-8").rstrip(), "```", ""]
+    ran = sorted((r for r in runs if r["mode"] == MINIMAL and r["status"] != SKIP_STATUS),
+                 key=lambda r: (_torch_key(r["torch"]), r["device"] != "cpu"))
+    if ran:
+        r = ran[-1]
+        lines += [f"On torch {r['torch']} ({_device(r['device'])}):", "", "```", r["output"], "$ echo $?",
+                  str(r["status"]), "```", ""]
     return lines
 
 
@@ -224,6 +241,7 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
              f"`KNOWN_BUGS` id `{bug.id}`"
              + (f" (the same defect: {', '.join(f'`{a}`' for a in also)})" if also else "")
              + f"; write-up: [docs/bugs.md](../bugs.md#{bug.id}).", "", d.body, "",
+             *minimal_section(stem, mine),
              "## Versions", "", *versions_table(stem, mine)]
     lines += ["", "KNOWN_BUGS claims it on " + (f"torch `{bug.torch}`" if bug.torch else
                                                "every supported torch (its code is unchanged in the 2.4.1 .. 2.15.0 "
@@ -236,11 +254,16 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
     if env:
         lines += ["", f"<details><summary>collect_env of the torch {env[0]} run ({_device(env[1])})</summary>", "",
                   "```", env_path(*env).read_text(encoding="utf-8").strip(), "```", "", "</details>"]
-    lines += ["",
-              "## Reproduce", "", f"`{STANDALONE_DIR}/{stem}.py`, with nothing but torch"
-              + (" and fairscale" if "fairscale" in stem else "") + " installed:", "", "```python",
-              path_of(stem).read_text(encoding="utf-8").rstrip(), "```", ""]
-    for mode in modes(standalone_files()[stem]):
+    needs = "torch" + (" and fairscale" if "fairscale" in stem else "")
+    if minimal_path(stem).exists():  # the minimal repro is the report's; the full file is linked, not pasted
+        lines += ["", "## Reproduce", "", f"The full standalone file, with nothing but {needs} installed: "
+                  f"[`{STANDALONE_DIR}/{stem}.py`](../../{STANDALONE_DIR}/{stem}.py) (its flags: "
+                  + ", ".join(f"`--{m}`" for m in modes(standalone_files()[stem]) if m not in (PLAIN, MINIMAL))
+                  + ").", ""]
+    else:
+        lines += ["", "## Reproduce", "", f"`{STANDALONE_DIR}/{stem}.py`, with nothing but {needs} installed:", "",
+                  "```python", path_of(stem).read_text(encoding="utf-8").rstrip(), "```", ""]
+    for mode in [m for m in modes(standalone_files()[stem]) if m != MINIMAL]:
         ran = [r for r in mine if r["mode"] == mode and r["status"] != SKIP_STATUS]
         if ran:
             r = ran[-1]

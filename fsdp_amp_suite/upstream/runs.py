@@ -1,8 +1,8 @@
-"""One run of a standalone repro (fsdp_amp_suite/repro/standalone/<id>.py) as a maintainer runs it, and what it showed:
-the
-file's modes, `python FILE [--MODE]` from an empty directory with nothing of this repository on its path
-(forked with torch imported, forked.py), and its verdict. test_standalone.py runs every file against KNOWN_BUGS;
-reports.py records the runs for the upstream reports; benchmarks/standalone.py times them.
+"""One run of a standalone repro (fsdp_amp_suite/repro/standalone/<id>.py) as a maintainer runs it, and what it
+showed: the file's modes (and its report's minimal repro, fsdp_amp_suite/repro/minimal/<id>.py), `python FILE
+[--MODE]` from an empty directory with nothing of this repository on its path (forked with torch imported,
+forked.py), and its verdict. test_standalone.py runs every file against KNOWN_BUGS; reports.py records the runs for
+the upstream reports; benchmarks/standalone.py times them.
 """
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ from fsdp_amp_suite.known_bugs import STANDALONE_DIR
 from fsdp_amp_suite.upstream import forked
 from fsdp_amp_suite.paths import ROOT
 PLAIN = "plain"
+# the report's inline repro: fsdp_amp_suite/repro/minimal/<id>.py, the bug in at most MINIMAL_LINES lines that a
+# maintainer pastes and runs as is; the same contract as the standalone file's plain run (its two lines, exit 1)
+MINIMAL = "minimal"
+MINIMAL_DIR = "fsdp_amp_suite/repro/minimal"
+MINIMAL_LINES = 30
 SKIP_STATUS = 77  # the file's own "this machine cannot run me": a wrong guess of its needs fails the check
 TIMEOUT_S = 240  # a file bounds its own hangs (gloo timeouts of 10-20 s); this bounds a file that does not
 
@@ -26,11 +31,16 @@ def modes(shown) -> list[str]:
     own = shown[0]
     real = sorted({bug.reach.run.lstrip("-") for bug in shown if bug.reach and bug.reach.run})
     fix = [] if own.by_design or own.torch else [WITH_FIX]
-    return [PLAIN, *real, *fix]
+    minimal = [MINIMAL] if minimal_path(own.standalone_file).exists() else []
+    return [PLAIN, *minimal, *real, *fix]
 
 
-def path_of(stem: str) -> Path:
-    return ROOT / STANDALONE_DIR / f"{stem}.py"
+def path_of(stem: str, mode: str = PLAIN) -> Path:
+    return minimal_path(stem) if mode == MINIMAL else ROOT / STANDALONE_DIR / f"{stem}.py"
+
+
+def minimal_path(stem: str) -> Path:
+    return ROOT / MINIMAL_DIR / f"{stem}.py"
 
 
 def run_file(stem: str, mode: str, python: str | None = None) -> subprocess.CompletedProcess:
@@ -38,12 +48,12 @@ def run_file(stem: str, mode: str, python: str | None = None) -> subprocess.Comp
     environment installs (torch, fairscale) can be imported from the file, as where a maintainer pastes it.
     python=None runs this interpreter forked, torch imported (fsdp_amp_suite/upstream/forked.py); an interpreter's path
     starts it fresh."""
-    path = path_of(stem)
+    path = path_of(stem, mode)
     env = dict(os.environ)
     keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
             if p and not (Path(p).resolve() == ROOT or ROOT in Path(p).resolve().parents)]
     env["PYTHONPATH"] = os.pathsep.join(keep)
-    args = [] if mode == PLAIN else [f"--{mode}"]
+    args = [] if mode in (PLAIN, MINIMAL) else [f"--{mode}"]
     with tempfile.TemporaryDirectory() as cwd:
         if python is None:
             return forked.run(str(path), args, env, cwd, TIMEOUT_S)

@@ -13,10 +13,11 @@ import pytest
 from fsdp_amp_suite.expectations import NEEDS, BugShown
 from fsdp_amp_suite.known_bugs import INJECTION_ONLY, KNOWN_BUGS, NEEDED, NOT_NEEDED, STANDALONE_DIR, standalone_files
 from fsdp_amp_suite.upstream import reports
-from fsdp_amp_suite.upstream.runs import ROOT, modes, path_of, verdict
+from fsdp_amp_suite.upstream.runs import MINIMAL, MINIMAL_DIR, MINIMAL_LINES, ROOT, modes, path_of, verdict
 
 pytestmark = pytest.mark.harness
 FILES = standalone_files()
+MINIMALS = sorted(p.stem for p in (ROOT / MINIMAL_DIR).glob("*.py"))
 
 
 def _imports(path) -> set:
@@ -47,6 +48,18 @@ def test_a_file_imports_only_the_stdlib_torch_and_its_own_upstream(stem):
     assert not foreign, f"{stem}.py imports {sorted(foreign)}: a standalone repro is pasted as it is"
 
 
+@pytest.mark.parametrize("stem", MINIMALS)
+def test_a_minimal_repro_is_short_belongs_to_a_report_and_imports_what_a_standalone_may(stem):
+    """The report's inline repro: at most MINIMAL_LINES lines, for an entry that gets a report, pasted as it is."""
+    assert stem in {bug.standalone_file for bug in reports.reported()}, (
+        f"{MINIMAL_DIR}/{stem}.py: no reported KNOWN_BUGS entry owns a standalone file of that name")
+    path = path_of(stem, MINIMAL)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MINIMAL_LINES, f"{path.name}: {len(lines)} lines, more than {MINIMAL_LINES}"
+    allowed = set(sys.stdlib_module_names) | {"torch"} | ({"fairscale"} if "fairscale" in stem else set())
+    assert not _imports(path) - allowed, f"{path.name} imports {sorted(_imports(path) - allowed)}"
+
+
 @pytest.mark.parametrize("stem", sorted(FILES))
 def test_a_files_ranks_meet_without_picking_a_port(stem):
     """A port found free and bound later by the store can be taken in between by another process on a busy runner:
@@ -63,7 +76,7 @@ def test_a_file_has_the_reports_sections_and_every_flag_its_modes_run(stem):
     d = reports.doc(stem)
     assert d.title and d.body
     source = path_of(stem).read_text(encoding="utf-8")
-    for mode in modes(FILES[stem])[1:]:
+    for mode in [m for m in modes(FILES[stem])[1:] if m != MINIMAL]:
         assert f'"--{mode}"' in source, f"{stem}.py has no --{mode} flag, which KNOWN_BUGS runs it with"
 
 
