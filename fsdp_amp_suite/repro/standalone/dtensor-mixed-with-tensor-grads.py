@@ -22,9 +22,13 @@ Grouping by mesh as well would keep grads on different (sub-)meshes apart. --wit
 _unscale_grads_ with that grouping; no new host sync or collective.
 A foreach optimizer step (the default on CUDA) raises the same error in its own _foreach_add_ on such
 a param list (seen on torch 2.13 CPU with foreach=True and 2.11 CUDA), so the repro uses foreach=False.
+Known workaround: wrapping scaler.step in torch.distributed.tensor.experimental.implicit_replication() makes
+the repro exit 0 (the plain params are treated as replicated DTensors; checked on torch 2.13.0 CPU). A model
+only partly under fully_shard may count as unsupported; the error says nothing of either.
 
-Related: pytorch #153354 (FSDP2 "got mixed torch.Tensor and DTensor", same error in backward); torchtune
-PR #2687 (disables foreach grad scaling under TP); pytorch_geometric PR #10317; Cornstarch PR #87.
+Related: pytorch PR #134551 (implicit_replication extended to foreach ops, offered for optimizer.step() when
+a 2-D model is only partly tensor-parallel: the same workaround); torchtune PR #2687 (disables foreach grad
+scaling under TP); pytorch #153354 shows the same error message, from an activation-checkpoint recompute.
 """
 import argparse
 import datetime

@@ -21,8 +21,8 @@ Fix: write the reduced value back, `v.copy_(v_on_cuda)` once the all-reduce is d
 ShardedGradScaler made); this needs the host sync the wait already does. --with-fix monkeypatches
 ShardedGradScaler.unscale_ with that write-back.
 
-Related: none found for DTensor grads (fairscale is archived); the same drop with plain CPU grads is the
-fairscale-cpu-found-inf-not-agreed report.
+Related: none found for DTensor grads (fairscale 0.4.13, its last release, predates DTensor); the same drop
+with plain CPU grads is the fairscale-cpu-found-inf-not-agreed report.
 """
 import argparse
 import datetime

@@ -22,7 +22,7 @@ The default foreach SGD step on CUDA then raises the same error in its own _fore
 groups by device and dtype too), so the repro uses foreach=False.
 
 Related: pytorch #153354 (FSDP2 "got mixed torch.Tensor and DTensor"); torchtune PR #2687 (disables
-foreach grad scaling under TP); fairscale is archived.
+foreach grad scaling under TP); fairscale 0.4.13, its last release, predates DTensor.
 """
 import argparse
 import datetime

@@ -22,7 +22,7 @@ otherwise treat the optimizer like any other: fairscale's unscale_ (with its fou
 ranks) and a step skipped on the host when found_inf is set (the one host sync that the unfused path
 has anyway). --with-fix wraps step() so that such an optimizer goes down that path.
 
-Related: none found (fairscale is in maintenance mode).
+Related: none found (fairscale 0.4.13, its last release, predates torch's fused optimizers).
 """
 import argparse
 import datetime
