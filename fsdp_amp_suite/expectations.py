@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from fsdp_amp_suite import versions
-from fsdp_amp_suite.known_bugs import known_bug, race_reason, repro_bug, standalone_files
+from fsdp_amp_suite.known_bugs import bug_by_id, known_bug, race_reason, repro_bug, standalone_files
 from fsdp_amp_suite.matrix import axes
 
 NEEDS = {
@@ -38,9 +38,10 @@ NEEDS = {
     "no-cuda": lambda m: "shows only on a machine without CUDA (torch sees a GPU here)" if m.cuda else None,
     "dtensor": lambda m: (versions.DTENSOR_REASON if versions.holds(torch=versions.DTENSOR_TORCH, on=m.versions)
                           else None),
+    # where torch-sharded-cpu-unscale-found-inf-shape holds, a fused step raises on it before anything else shows
     "torch>=2.6": lambda m: ("needs torch >= 2.6: before it a fused step raises first on found_inf's shape [1] "
                              "(torch-sharded-cpu-unscale-found-inf-shape)"
-                             if versions.holds(torch="<2.6", on=m.versions) else None),
+                             if bug_by_id("torch-sharded-cpu-unscale-found-inf-shape").holds_on(m.versions) else None),
 }
 
 

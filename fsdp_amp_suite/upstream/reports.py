@@ -188,6 +188,11 @@ def _torch_key(version: str):
     return Version(version.split("+")[0])
 
 
+def _newest(record: dict):
+    """Sort key of a recorded run: the newer torch last, and on one torch a GPU run after a CPU one."""
+    return _torch_key(record["torch"]), record["device"] != "cpu"
+
+
 def versions_table(stem: str, runs: list[dict]) -> list[str]:
     """One row per (torch, device) that ran the file: the Python version and each mode's exit status (1: the bug
     shows, 0: it does not, 77: this machine cannot run it). Empty where nothing was recorded."""
@@ -214,8 +219,7 @@ def minimal_section(stem: str, runs: list[dict]) -> list[str]:
         return []
     lines = ["## Minimal repro", "", f"`{MINIMAL_DIR}/{stem}.py`, runnable as is:", "", "```python",
              minimal_path(stem).read_text(encoding="utf-8").rstrip(), "```", ""]
-    ran = sorted((r for r in runs if r["mode"] == MINIMAL and r["status"] != SKIP_STATUS),
-                 key=lambda r: (_torch_key(r["torch"]), r["device"] != "cpu"))
+    ran = sorted((r for r in runs if r["mode"] == MINIMAL and r["status"] != SKIP_STATUS), key=_newest)
     if ran:
         r = ran[-1]
         lines += [f"On torch {r['torch']} ({_device(r['device'])}):", "", "```", r["output"], "$ echo $?",
@@ -226,9 +230,9 @@ def minimal_section(stem: str, runs: list[dict]) -> list[str]:
 def newest_env(runs: list[dict]) -> tuple | None:
     """(torch, device) of the newest torch that ran the file, not skipping it (77), and has its collect_env kept
     (env_path)."""
-    kept = [(r["torch"], r["device"]) for r in runs
-            if r["status"] != SKIP_STATUS and env_path(r["torch"], r["device"]).exists()]
-    return max(kept, key=lambda k: (_torch_key(k[0]), k[1] != "cpu")) if kept else None
+    kept = [r for r in runs if r["status"] != SKIP_STATUS and env_path(r["torch"], r["device"]).exists()]
+    newest = max(kept, key=_newest) if kept else None
+    return (newest["torch"], newest["device"]) if newest else None
 
 
 def report(bug: KnownBug, runs: list[dict]) -> str:
@@ -255,20 +259,21 @@ def report(bug: KnownBug, runs: list[dict]) -> str:
         lines += ["", f"<details><summary>collect_env of the torch {env[0]} run ({_device(env[1])})</summary>", "",
                   "```", env_path(*env).read_text(encoding="utf-8").strip(), "```", "", "</details>"]
     needs = "torch" + (" and fairscale" if "fairscale" in stem else "")
+    file_modes = modes(standalone_files()[stem])
     if minimal_path(stem).exists():  # the minimal repro is the report's; the full file is linked, not pasted
         lines += ["", "## Reproduce", "", f"The full standalone file, with nothing but {needs} installed: "
                   f"[`{STANDALONE_DIR}/{stem}.py`](../../{STANDALONE_DIR}/{stem}.py) (its flags: "
-                  + ", ".join(f"`--{m}`" for m in modes(standalone_files()[stem]) if m not in (PLAIN, MINIMAL))
+                  + ", ".join(f"`--{m}`" for m in file_modes if m not in (PLAIN, MINIMAL))
                   + ").", ""]
     else:
         lines += ["", "## Reproduce", "", f"`{STANDALONE_DIR}/{stem}.py`, with nothing but {needs} installed:", "",
                   "```python", path_of(stem).read_text(encoding="utf-8").rstrip(), "```", ""]
-    for mode in [m for m in modes(standalone_files()[stem]) if m != MINIMAL]:
+    for mode in [m for m in file_modes if m != MINIMAL]:
         ran = [r for r in mine if r["mode"] == mode and r["status"] != SKIP_STATUS]
         if ran:
             r = ran[-1]
             flag = "" if mode == PLAIN else f" --{mode}"
-            lines += [f"On torch {r['torch']} ({'CPU' if r['device'] == 'cpu' else r['device'].replace('_', ' ')}):",
+            lines += [f"On torch {r['torch']} ({_device(r['device'])}):",
                       "", "```", f"$ python {stem}.py{flag}", r["output"], "$ echo $?", str(r["status"]), "```", ""]
     lines += ["## Can real training hit it?", "", f"- Overflow: **{bug.reach.overflow}**.",
               f"- Setups: {bug.reach.setups}."
